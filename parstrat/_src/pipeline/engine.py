@@ -1,0 +1,321 @@
+"""Running a pipeline schedule inside `jax.shard_map`, one stage per device.
+
+Each device holds its stage's parameters as one flat buffer (padded to the
+largest stage), and the activations crossing stage boundaries as rows of a
+flat `[microbatch, W]` buffer (padded to the widest boundary). At every tick a
+`lax.switch` on (action, stage index) runs only the device's own stage, then
+one `ppermute` moves activations to the next stage and one moves gradients to
+the previous stage.
+
+These functions run under `jax.shard_map(..., check_vma=False)`: the stage
+functions are slices of a jaxpr traced outside the map, and every reduction is
+explicit (gradients come from explicit `jax.vjp` calls, so no transpose can
+insert a hidden `psum`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline.schedule import Action, Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+  """Where each parameter leaf sits in its stage's flat buffer.
+
+  Attributes:
+    treedef: the params' tree structure (model layout).
+    shapes: the shape of every flattened leaf.
+    stage_leaves: the leaves (indices) each stage holds, in buffer order.
+    offsets: per stage, the start offset of each of its leaves.
+    size: the buffer length, the largest stage's parameter count.
+    dtype: the common dtype of all leaves.
+  """
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+  stage_leaves: tuple[tuple[int, ...], ...]
+  offsets: tuple[tuple[int, ...], ...]
+  size: int
+  dtype: Any
+
+  @classmethod
+  def build(cls, params: Any, stage_leaves: tuple[tuple[int, ...], ...]) -> FlatLayout:
+    leaves, treedef = jax.tree.flatten(params)
+    dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
+    if len(dtypes) != 1:
+      raise ValueError(
+          f"Pipelined params must share one dtype, got {sorted(map(str, dtypes))}."
+      )
+    owner: dict[int, int] = {}
+    for s, group in enumerate(stage_leaves):
+      for i in group:
+        if i in owner:
+          raise ValueError(
+              f"Parameter leaf {i} is used by stages {owner[i]} and {s}; "
+              "a pipelined model cannot share weights across stages."
+          )
+        owner[i] = s
+    shapes = tuple(tuple(leaf.shape) for leaf in leaves)
+    offsets, sizes = [], []
+    for group in stage_leaves:
+      starts = np.cumsum([0] + [int(np.prod(shapes[i])) for i in group])
+      offsets.append(tuple(int(o) for o in starts[:-1]))
+      sizes.append(int(starts[-1]))
+    return cls(treedef, shapes, stage_leaves, tuple(offsets), max(sizes), dtypes.pop())
+
+  @property
+  def stage_sizes(self) -> list[int]:
+    return [
+        sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves
+    ]
+
+  def to_stored(self, params: Any) -> jax.Array:
+    """Model layout -> `[P, size]` stage buffers."""
+    leaves = jax.tree.leaves(params)
+    rows = []
+    for group in self.stage_leaves:
+      flat = [leaves[i].reshape(-1) for i in group]
+      row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
+      rows.append(jnp.pad(row, (0, self.size - row.shape[0])))
+    return jnp.stack(rows)
+
+  def stage_params(self, stage: int, row: jax.Array) -> list[jax.Array]:
+    """Stage `stage`'s leaves, sliced out of its flat buffer `row`."""
+    return [
+        lax.dynamic_slice_in_dim(row, off, int(np.prod(self.shapes[i]))).reshape(self.shapes[i])
+        for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True)
+    ]
+
+  def to_params(self, stored: jax.Array) -> Any:
+    """`[P, size]` stage buffers -> model layout."""
+    leaves: list[Any] = [None] * len(self.shapes)
+    for s, group in enumerate(self.stage_leaves):
+      for i, leaf in zip(group, self.stage_params(s, stored[s]), strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+  """The model cut for one microbatch shape, on flat buffers.
+
+  `forward(stage, row, act, x, y)` runs stage `stage` (a Python int) on its flat
+  params `row`; its input is `x` for stage 0 and the padded activation `act`
+  otherwise. It returns the padded output and the microbatch loss (0 except on
+  the last stage).
+  """
+
+  layout: FlatLayout
+  program: partition_lib.StagePlan | Any
+  width: int
+  loss_fn: Callable[[jax.Array, jax.Array], jax.Array]
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.program.stage_fns)
+
+  def forward(self, stage: int, row, act, x, y):
+    program = self.program
+    inp = x if stage == 0 else partition_lib.unpad(act, program.boundaries[stage])
+    out = program.stage_fns[stage](self.layout.stage_params(stage, row), inp)
+    if stage == self.num_stages - 1:
+      loss = self.loss_fn(out, y).astype(jnp.float32)
+    else:
+      loss = jnp.zeros((), jnp.float32)
+    return partition_lib.pad_to(out, self.width).astype(act.dtype), loss
+
+
+def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+  """Writes `value` into `buffer[slot]`, or nothing when `slot < 0`."""
+  index = jnp.maximum(slot, 0)
+  kept = lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+  return lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, kept), index, 0)
+
+
+def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
+  return lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
+
+
+def _shift(value: jax.Array, axis: str, stages: int, direction: int) -> jax.Array:
+  """Sends `value` one stage forward (+1) or back (-1); the far end gets zeros."""
+  if stages == 1:
+    return jnp.zeros_like(value)
+  pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+  return lax.ppermute(value, axis, perm=pairs)
+
+
+def pipeline_loss_and_grad(
+    staged: StagedModel,
+    schedule: Schedule,
+    row: jax.Array,
+    inputs: jax.Array,
+    labels: jax.Array,
+    *,
+    stage_axis: str,
+    bubble_value: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+  """One device's share of a pipelined forward and backward over its batch block.
+
+  Pseudo-code, for the device holding stage `s`::
+
+    split the batch block into M microbatches
+    for t in range(T):                        # T = schedule.num_ticks
+      match schedule.action[t, s]:
+        FORWARD m:  y = stage_s(params, stash[slot] or x[m]); send y to s+1
+        BACKWARD m: recompute stage_s at stash[slot], pull back the gradient
+                    arriving from s+1 (or the loss / M on the last stage),
+                    accumulate d params, send d input to s-1
+        IDLE:       send `bubble_value` (never read by a correct schedule)
+      store what arrived from s-1 / s+1 into the slots the schedule names
+    loss = psum over stages of the last stage's summed microbatch losses / M
+
+  Args:
+    staged: the model cut into stages.
+    schedule: the tick table.
+    row: this device's `[size]` flat stage params (device-varying).
+    inputs: this device's batch block `[B, ...]`.
+    labels: `[B, ...]`.
+    stage_axis: the mesh axis the stages lie along.
+    bubble_value: what idle ticks send; NaN in tests proves bubbles never leak.
+
+  Returns:
+    `(loss, grads)`: this replica's mean loss (same on every stage) and the
+    gradient of it with respect to `row`, not yet averaged over data replicas.
+  """
+  P, M = schedule.stages, schedule.microbatches
+  mb = inputs.shape[0] // M
+  xs = inputs.reshape(M, mb, *inputs.shape[1:])
+  ys = labels.reshape(M, mb, *labels.shape[1:])
+  W, dtype = staged.width, row.dtype
+  stage = lax.axis_index(stage_axis)
+  tables = jnp.asarray(
+      np.stack(
+          [
+              schedule.action,
+              np.maximum(schedule.microbatch, 0),
+              schedule.act_slot,
+              schedule.grad_slot,
+              schedule.recv_act_slot,
+              schedule.recv_grad_slot,
+          ]
+      )
+  )
+  fill = jnp.full((mb, W), bubble_value, dtype)
+  zero_act = jnp.zeros((mb, W), dtype)
+  zero_row = jnp.zeros_like(row)
+  zero_loss = jnp.zeros((), jnp.float32)
+
+  def idle(row, act, grad, x, y):
+    del row, act, grad, x, y
+    return fill, fill, zero_row, zero_loss
+
+  def forward_branch(s):
+    def run(row, act, grad, x, y):
+      del grad
+      out, loss = staged.forward(s, row, act, x, y)
+      return out, fill, zero_row, loss
+
+    return run
+
+  def backward_branch(s):
+    def run(row, act, grad, x, y):
+      def f(row, act):
+        return staged.forward(s, row, act, x, y)
+
+      _, pullback = jax.vjp(f, row, act)
+      out_cotangent = zero_act if s == P - 1 else grad
+      d_row, d_act = pullback((out_cotangent, jnp.asarray(1.0 / M, jnp.float32)))
+      return fill, d_act, d_row, zero_loss
+
+    return run
+
+  branches = [idle] + [forward_branch(s) for s in range(P)] + [backward_branch(s) for s in range(P)]
+
+  def tick(t, carry):
+    stash, inbox, grads, loss = carry
+    action, m, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(6))
+    index = jnp.where(
+        action == Action.FORWARD, 1 + stage, jnp.where(action == Action.BACKWARD, 1 + P + stage, 0)
+    )
+    send_act, send_grad, d_row, d_loss = lax.switch(
+        index,
+        branches,
+        row,
+        _read(stash, a_slot),
+        _read(inbox, g_slot),
+        lax.dynamic_index_in_dim(xs, m, keepdims=False),
+        lax.dynamic_index_in_dim(ys, m, keepdims=False),
+    )
+    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
+    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
+    return stash, inbox, grads + d_row, loss + d_loss
+
+  carry = (
+      jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
+      jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
+      zero_row,
+      zero_loss,
+  )
+  _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
+  loss = lax.psum(loss, stage_axis) / M
+  return loss, grads
+
+
+def pipeline_forward(
+    staged: StagedModel,
+    microbatches: int,
+    row: jax.Array,
+    inputs: jax.Array,
+    *,
+    stage_axis: str,
+) -> jax.Array:
+  """A forward-only pipelined pass; returns the `[B, out...]` outputs on every stage.
+
+  Stage s runs microbatch `t - s` at tick t (M + P - 1 ticks); the last stage
+  collects the outputs, which a `psum` over the stage axis then replicates.
+  """
+  P, M = staged.num_stages, microbatches
+  mb = inputs.shape[0] // M
+  xs = inputs.reshape(M, mb, *inputs.shape[1:])
+  W, dtype = staged.width, row.dtype
+  stage = lax.axis_index(stage_axis)
+  dummy_y = jnp.zeros((mb,), jnp.int32)
+  out_aval = staged.program.boundaries[-1]
+
+  def branch(s):
+    def run(row, act, x):
+      out, _ = _forward_no_loss(staged, s, row, act, x, dummy_y)
+      return out
+
+    return run
+
+  def tick(t, carry):
+    act, outputs = carry
+    m = t - stage
+    active = (m >= 0) & (m < M)
+    x = lax.dynamic_index_in_dim(xs, jnp.clip(m, 0, M - 1), keepdims=False)
+    out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
+    out = jnp.where(active, out, jnp.zeros_like(out))
+    is_last = stage == P - 1
+    outputs = _store(outputs, jnp.where(active & is_last, m, -1), out)
+    return _shift(out, stage_axis, P, +1), outputs
+
+  carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
+  _, outputs = lax.fori_loop(0, M + P - 1, tick, carry)
+  outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
+  return partition_lib.unpad(outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype))
+
+
+def _forward_no_loss(staged: StagedModel, s: int, row, act, x, y):
+  no_loss = dataclasses.replace(staged, loss_fn=lambda out, y: jnp.zeros((), jnp.float32))
+  return no_loss.forward(s, row, act, x, y)

@@ -1,0 +1,467 @@
+"""Cutting an unmodified model into contiguous pipeline stages.
+
+The model is only used through its `apply` function: it is traced to a jaxpr,
+the parameters are grouped into layers by their top-level key (a Haiku module
+name such as ``"mlp/~/linear_1"``), and the jaxpr is cut at points where
+exactly one value (the activation) crosses from one layer to the next. Each
+stage is then a slice of the jaxpr's equations, evaluated with
+`jax.core.eval_jaxpr`, so nothing depends on Haiku's internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+_MARKER_NAME = "parstrat_stage_boundary"
+
+
+@functools.partial(jax.jit, inline=False)
+def parstrat_stage_boundary(x: jax.Array) -> jax.Array:
+  return x
+
+
+def stage_boundary(x: jax.Array) -> jax.Array:
+  """Marks a pipeline cut: a new stage starts right after this point.
+
+  Place it in the model function between layers; it is the identity. When a
+  model holds markers, `PipelineModelParallel` cuts exactly there (and the
+  number of stages must be the number of markers + 1).
+
+  Example:
+    >>> import haiku as hk, jax, parstrat
+    >>> def net(x):
+    ...   x = jax.nn.swish(hk.Linear(512)(x))
+    ...   x = parstrat.pipeline.stage_boundary(x)
+    ...   return hk.Linear(10)(x)
+    >>> model = hk.transform(net)
+  """
+  return parstrat_stage_boundary(x)
+
+
+def _is_marker(eqn) -> bool:
+  return eqn.params.get("name") == _MARKER_NAME
+
+
+def _layer_name(path) -> str:
+  key = path[0]
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """One layer of the model: a group of parameters (a Haiku module)."""
+
+  name: str
+  params: int
+  flops: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """Which layers each pipeline stage holds, and where the jaxpr is cut.
+
+  Attributes:
+    layers: the model's layers in execution order.
+    stage_layers: for each stage, the indices of its layers.
+    cuts: the equation indices at which stages 1..P-1 start.
+    balance: "params", "flops", "markers" or "manual": how the cuts were chosen.
+  """
+
+  layers: tuple[Layer, ...]
+  stage_layers: tuple[tuple[int, ...], ...]
+  cuts: tuple[int, ...]
+  balance: str
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stage_layers)
+
+  def stage_params(self) -> list[int]:
+    return [sum(self.layers[i].params for i in group) for group in self.stage_layers]
+
+  def stage_flops(self) -> list[int]:
+    return [sum(self.layers[i].flops for i in group) for group in self.stage_layers]
+
+  def __str__(self) -> str:
+    lines = [f"pipeline plan: {self.num_stages} stages, cut by {self.balance}"]
+    lines.append(f"{'stage':>5}  {'params':>10}  {'FLOPs/example':>13}  layers")
+    for s, group in enumerate(self.stage_layers):
+      names = ", ".join(self.layers[i].name for i in group)
+      lines.append(
+          f"{s:>5}  {self.stage_params()[s]:>10,}  {self.stage_flops()[s]:>13,}  {names}"
+      )
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+  jaxpr: Any  # jex.Jaxpr
+  consts: list
+  param_vars: list  # one var per flattened param leaf
+  input_var: Any
+  leaf_layer: list[int]  # layer index of each flattened leaf
+  layer_names: list[str]
+
+
+def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Trace:
+  leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = [leaf for _, leaf in leaves_with_path]
+
+  def flat_apply(leaves, x):
+    return apply_fn(jax.tree.unflatten(treedef, leaves), x)
+
+  closed = jax.make_jaxpr(flat_apply)(leaves, inputs)
+  jaxpr = closed.jaxpr
+  if len(jaxpr.outvars) != 1:
+    raise ValueError(
+        f"A pipelined model must return one array (the logits); it returns {len(jaxpr.outvars)}."
+    )
+  names = []
+  leaf_layer = []
+  for path, _ in leaves_with_path:
+    name = _layer_name(path)
+    if name not in names:
+      names.append(name)
+    leaf_layer.append(names.index(name))
+  return _Trace(
+      jaxpr=jaxpr,
+      consts=list(closed.consts),
+      param_vars=list(jaxpr.invars[: len(leaves)]),
+      input_var=jaxpr.invars[len(leaves)],
+      leaf_layer=leaf_layer,
+      layer_names=names,
+  )
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, jex.Literal)
+
+
+def _eqn_flops(eqn) -> int:
+  out = eqn.outvars[0].aval
+  size = int(np.prod(out.shape)) if hasattr(out, "shape") else 1
+  if eqn.primitive.name == "dot_general":
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs_shape = eqn.invars[0].aval.shape
+    return 2 * size * int(np.prod([lhs_shape[d] for d in lhs_contract]))
+  inner = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr)]
+  if inner:
+    return sum(_eqn_flops(e) for e in inner[0].jaxpr.eqns)
+  return size
+
+
+@dataclasses.dataclass(frozen=True)
+class _Analysis:
+  layer_order: list[int]  # original layer index, in order of first use
+  first_read: dict[int, int]
+  last_read: dict[int, int]
+  live: list[list[Any]]  # live[c]: non-parameter values crossing a cut before eqn c
+  markers: list[int]
+  eqn_layer: list[int]  # the (ordered) layer each equation is counted towards
+
+
+def _analyse(trace: _Trace) -> _Analysis:
+  eqns = trace.jaxpr.eqns
+  param_layer = {v: trace.leaf_layer[i] for i, v in enumerate(trace.param_vars)}
+  first_read: dict[int, int] = {}
+  last_read: dict[int, int] = {}
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if _is_var(v) and v in param_layer:
+        layer = param_layer[v]
+        first_read.setdefault(layer, i)
+        last_read[layer] = i
+  unused = [trace.layer_names[k] for k in range(len(trace.layer_names)) if k not in first_read]
+  if unused:
+    raise ValueError(f"Parameters of layer(s) {unused} are never used by the model's apply.")
+  layer_order = sorted(first_read, key=first_read.get)
+
+  defined = {trace.input_var: -1}
+  last_use: dict[Any, int] = {}
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if _is_var(v):
+        last_use[v] = i
+    for v in eqn.outvars:
+      defined[v] = i
+  for v in trace.jaxpr.outvars:
+    if _is_var(v):
+      last_use[v] = len(eqns)
+  live = []
+  for c in range(len(eqns) + 1):
+    live.append([v for v, d in defined.items() if d < c and last_use.get(v, -2) >= c])
+  markers = [i for i, eqn in enumerate(eqns) if _is_marker(eqn)]
+  rank = {layer: r for r, layer in enumerate(layer_order)}
+  eqn_layer = []
+  current = 0
+  for i, eqn in enumerate(eqns):
+    for v in eqn.invars:
+      if _is_var(v) and v in param_layer:
+        current = max(current, rank[param_layer[v]])
+    eqn_layer.append(current)
+  return _Analysis(layer_order, first_read, last_read, live, markers, eqn_layer)
+
+
+def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | None, str]:
+  """The latest single-value cut between ordered layers k-1 and k, or why none exists."""
+  order = analysis.layer_order
+  before = max(analysis.last_read[layer] for layer in order[:k])
+  after = min(analysis.first_read[layer] for layer in order[k:])
+  a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
+  if before >= after:
+    return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})"
+  for c in range(after, before, -1):
+    if len(analysis.live[c]) == 1:
+      return c, ""
+  counts = sorted({len(analysis.live[c]) for c in range(before + 1, after + 1)})
+  return None, (
+      f"between layers {a!r} and {b!r} there is no point where a single activation "
+      f"crosses ({counts[0]} or more values are live, e.g. a skip connection)"
+  )
+
+
+def _min_max_partition(costs: Sequence[int], allowed: set[int], stages: int) -> list[int]:
+  """Splits `costs` into `stages` contiguous groups minimising the largest sum.
+
+  Boundaries (group start indices) must be in `allowed`. Returns the starts of
+  groups 1..stages-1.
+  """
+  n = len(costs)
+  prefix = np.concatenate([[0], np.cumsum(costs)])
+  inf = float("inf")
+  best = [[inf] * (n + 1) for _ in range(stages + 1)]
+  arg = [[-1] * (n + 1) for _ in range(stages + 1)]
+  best[0][0] = 0
+  for s in range(1, stages + 1):
+    for j in range(1, n + 1):
+      if j < n and j not in allowed:
+        continue
+      for i in range(s - 1, j):
+        if i != 0 and i not in allowed:
+          continue
+        cost = max(best[s - 1][i], prefix[j] - prefix[i])
+        if cost < best[s][j]:
+          best[s][j], arg[s][j] = cost, i
+  starts = []
+  j = n
+  for s in range(stages, 0, -1):
+    i = arg[s][j]
+    starts.append(i)
+    j = i
+  return sorted(starts)[1:]
+
+
+def plan_stages(
+    apply_fn: Callable,
+    params: Any,
+    inputs: jax.ShapeDtypeStruct,
+    stages: int,
+    *,
+    balance: str = "params",
+    cuts: Sequence[int] | None = None,
+) -> StagePlan:
+  """Cuts the model into `stages` contiguous stages.
+
+  Args:
+    apply_fn: `(params, inputs) -> outputs`.
+    params: the params pytree (arrays or `jax.ShapeDtypeStruct`).
+    inputs: abstract inputs.
+    stages: the number of stages P.
+    balance: "params" (default) or "flops": what the automatic cut balances.
+    cuts: layer indices at which stages 1..P-1 start, overriding the automatic
+      cut (e.g. `(1,)` puts layer 0 on stage 0 and the rest on stage 1).
+
+  Returns:
+    The `StagePlan`.
+
+  Raises:
+    ValueError: if `stages` exceeds the number of layers, the cuts are invalid,
+      or the model cannot be cut into that many stages (naming where).
+  """
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    raise ValueError(f"stages must be a positive integer, got {stages!r}.")
+  if balance not in ("params", "flops"):
+    raise ValueError(f"balance must be 'params' or 'flops', got {balance!r}.")
+  trace = _trace(apply_fn, params, inputs)
+  analysis = _analyse(trace)
+  order = analysis.layer_order
+  n = len(order)
+  leaves = jax.tree.leaves(params)
+  size = [0] * len(trace.layer_names)
+  for leaf, layer in zip(leaves, trace.leaf_layer, strict=True):
+    size[layer] += int(np.prod(leaf.shape))
+  flops = [0] * n
+  batch = inputs.shape[0] if inputs.shape else 1
+  for eqn, layer in zip(trace.jaxpr.eqns, analysis.eqn_layer, strict=True):
+    flops[layer] += _eqn_flops(eqn)
+  layers = tuple(
+      Layer(trace.layer_names[order[r]], size[order[r]], flops[r] // max(batch, 1))
+      for r in range(n)
+  )
+  names = [layer.name for layer in layers]
+
+  if analysis.markers:
+    if cuts is not None:
+      raise ValueError("The model has stage_boundary markers; do not also pass cuts.")
+    eqn_cuts = [m + 1 for m in analysis.markers]
+    if len(eqn_cuts) + 1 != stages:
+      raise ValueError(
+          f"The model has {len(eqn_cuts)} stage_boundary marker(s), so it has "
+          f"{len(eqn_cuts) + 1} stages, but stages={stages} was asked for."
+      )
+    for m, c in zip(analysis.markers, eqn_cuts, strict=True):
+      if len(analysis.live[c]) != 1:
+        raise ValueError(
+            f"The stage_boundary marker at equation {m} cannot be cut: "
+            f"{len(analysis.live[c])} values cross it (e.g. a skip connection)."
+        )
+    starts = [analysis.eqn_layer[c] for c in eqn_cuts]
+    groups = _groups_from_starts(starts, n)
+    return StagePlan(layers, groups, tuple(eqn_cuts), "markers")
+
+  if stages > n:
+    raise ValueError(
+        f"stages={stages} exceeds the model's {n} layers ({', '.join(names)}); "
+        f"use at most {n} stages."
+    )
+  boundary = {}
+  reasons = {}
+  for k in range(1, n):
+    c, why = _boundary_cut(trace, analysis, k)
+    if c is None:
+      reasons[k] = why
+    else:
+      boundary[k] = c
+  if cuts is not None:
+    starts = list(cuts)
+    if (
+        len(starts) != stages - 1
+        or any(isinstance(s, bool) or not isinstance(s, int) for s in starts)
+        or starts != sorted(set(starts))
+        or (starts and (starts[0] < 1 or starts[-1] > n - 1))
+    ):
+      raise ValueError(
+          f"cuts must be {stages - 1} increasing layer indices in 1..{n - 1} "
+          f"(where stages 1..{stages - 1} start), got {tuple(cuts)}."
+      )
+    bad = [k for k in starts if k not in boundary]
+    if bad:
+      raise ValueError(f"Cannot cut before layer {bad[0]}: {reasons[bad[0]]}.")
+    how = "manual cut points"
+  else:
+    if len(boundary) < stages - 1:
+      detail = "; ".join(reasons.values())
+      raise ValueError(
+          f"The model cannot be cut into {stages} stages: only {len(boundary)} of its "
+          f"{n - 1} layer boundaries are cuttable ({detail})."
+      )
+    costs = [layer.params if balance == "params" else layer.flops for layer in layers]
+    starts = _min_max_partition(costs, set(boundary), stages)
+    how = f"balanced {balance}"
+  groups = _groups_from_starts(starts, n)
+  return StagePlan(layers, groups, tuple(boundary[k] for k in starts), how)
+
+
+def _groups_from_starts(starts: Sequence[int], n: int) -> tuple[tuple[int, ...], ...]:
+  bounds = [0, *starts, n]
+  return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(len(bounds) - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+  """The model cut into stage functions for one (micro)batch shape.
+
+  Attributes:
+    stage_fns: `stage_fns[s](leaves, x) -> y`, where `leaves` are that stage's
+      parameter leaves (in `stage_leaves[s]` order).
+    stage_leaves: indices into the flattened params of each stage's leaves.
+    boundaries: the abstract value entering each stage (`boundaries[0]` is the
+      input) plus the output (`boundaries[P]`).
+  """
+
+  stage_fns: tuple[Callable[..., jax.Array], ...]
+  stage_leaves: tuple[tuple[int, ...], ...]
+  boundaries: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def stage_program(
+    apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct, plan: StagePlan
+) -> StageProgram:
+  """Traces the model at `inputs`' shape and cuts it where `plan` says.
+
+  Raises:
+    ValueError: if a cut activation does not keep the batch as its leading axis.
+  """
+  trace = _trace(apply_fn, params, inputs)
+  eqns = trace.jaxpr.eqns
+  analysis = _analyse(trace)
+  bounds = [0, *plan.cuts, len(eqns)]
+  live_in = [trace.input_var] + [analysis.live[c][0] for c in plan.cuts]
+  live_out = live_in[1:] + [trace.jaxpr.outvars[0]]
+  param_index = {v: i for i, v in enumerate(trace.param_vars)}
+  const_index = {v: i for i, v in enumerate(trace.jaxpr.constvars)}
+  fns, leaves_per_stage, boundaries = [], [], []
+  batch = inputs.shape[0]
+  for s in range(len(bounds) - 1):
+    segment = eqns[bounds[s] : bounds[s + 1]]
+    used = []
+    consts_used = []
+    for eqn in segment:
+      for v in eqn.invars:
+        if _is_var(v) and v in param_index and v not in used:
+          used.append(v)
+        if _is_var(v) and v in const_index and v not in consts_used:
+          consts_used.append(v)
+    used.sort(key=param_index.get)
+    aval = live_in[s].aval
+    if s > 0 and (not aval.shape or aval.shape[0] != batch):
+      raise ValueError(
+          f"The activation entering stage {s} has shape {aval.shape}; a pipeline cut needs "
+          f"the batch ({batch}) as its leading axis."
+      )
+    boundaries.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    sub = jex.Jaxpr(
+        constvars=consts_used,
+        invars=[*used, live_in[s]],
+        outvars=[live_out[s]],
+        eqns=segment,
+        effects=jax.core.no_effects if hasattr(jax.core, "no_effects") else jex.no_effects,
+    )
+    consts = [trace.consts[const_index[v]] for v in consts_used]
+
+    def run(leaves, x, _sub=sub, _consts=consts):
+      (out,) = jax.core.eval_jaxpr(_sub, _consts, *leaves, x)
+      return out
+
+    fns.append(run)
+    leaves_per_stage.append(tuple(param_index[v] for v in used))
+  out = trace.jaxpr.outvars[0].aval
+  boundaries.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
+  return StageProgram(tuple(fns), tuple(leaves_per_stage), tuple(boundaries))
+
+
+def flat_width(aval: jax.ShapeDtypeStruct) -> int:
+  """Elements per example of a batch-leading value."""
+  return int(np.prod(aval.shape[1:]))
+
+
+def pad_to(x: jax.Array, width: int) -> jax.Array:
+  """Flattens `[B, ...]` to `[B, width]`, zero-padding the features."""
+  flat = x.reshape(x.shape[0], -1)
+  return jnp.pad(flat, ((0, 0), (0, width - flat.shape[1])))
+
+
+def unpad(x: jax.Array, aval: jax.ShapeDtypeStruct) -> jax.Array:
+  """The inverse of `pad_to` for a value shaped like `aval`."""
+  return x[:, : flat_width(aval)].reshape(aval.shape).astype(aval.dtype)

@@ -1,0 +1,68 @@
+"""PipelineModelParallel: the model cut into stages, one stage per device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import Mesh
+
+from parstrat._src import registry
+from parstrat._src.hybrid import Hybrid
+from parstrat._src.strategy import Plan, Strategy
+
+
+@registry.register("pipeline")
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class PipelineModelParallel(Strategy):
+  """Pipeline model parallelism over mesh axis "stage".
+
+  The unmodified model is cut into `stages` contiguous stages (balanced by
+  parameter count, or at `cuts`, or at `parstrat.pipeline.stage_boundary`
+  markers); each device holds only its stage's parameters and optimizer state.
+  Each step splits the batch into `microbatches` that flow through the stages
+  under the `schedule` ("gpipe": all forwards then all backwards; "1f1b": one
+  forward one backward after a warm-up, so at most `stages` microbatches of
+  activations are alive per stage). This is `Hybrid` with one data replica.
+
+  Args:
+    stages: the number of stages P (default 2).
+    microbatches: microbatches M per step (default: P). M must divide the batch.
+    schedule: "gpipe" or "1f1b" (default).
+    balance: "params" (default) or "flops": what the automatic cut balances.
+    cuts: layer indices at which stages 1..P-1 start.
+    bubble_value: what idle slots send (tests fill bubbles with NaN).
+    devices, debug: see `Strategy`.
+
+  Example:
+    >>> import parstrat
+    >>> parstrat.get("pipeline", stages=4, microbatches=8, schedule="gpipe")
+    PipelineModelParallel(stages=4, microbatches=8, schedule='gpipe')
+  """
+
+  stages: int = 2
+  microbatches: int | None = None
+  schedule: str = "1f1b"
+  balance: str = "params"
+  cuts: tuple[int, ...] | None = None
+  bubble_value: float = 0.0
+  axis_names = ("stage",)
+
+  def as_hybrid(self) -> Hybrid:
+    """The equivalent `Hybrid` with one data replica."""
+    return Hybrid(
+        data=1,
+        stages=self.stages,
+        microbatches=self.microbatches,
+        schedule=self.schedule,
+        balance=self.balance,
+        cuts=self.cuts,
+        bubble_value=self.bubble_value,
+        devices=self.devices,
+        debug=self.debug,
+    )
+
+  def make_mesh(self) -> Mesh:
+    return self.as_hybrid().make_mesh()
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
+    return self.as_hybrid().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)

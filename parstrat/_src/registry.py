@@ -1,0 +1,116 @@
+"""The strategy registry: names to `Strategy` classes."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_REGISTRY: dict[str, type] = {}
+
+S = TypeVar("S", bound=type)
+
+
+def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
+  """Registers a strategy class under `name`; use as a class decorator.
+
+  Args:
+    name: the name users pass to `parstrat.get`.
+    overwrite: replace a strategy already registered under `name`.
+
+  Returns:
+    A decorator that registers the class and returns it unchanged.
+
+  Raises:
+    ValueError: if `name` is empty or taken and `overwrite` is False.
+    TypeError: if the decorated object is not a `parstrat.Strategy` subclass.
+
+  Example:
+    >>> import parstrat
+    >>> @parstrat.register("my_data_parallel")
+    ... class MyDataParallel(parstrat.DataParallel): ...
+    >>> "my_data_parallel" in parstrat.available()
+    True
+    >>> parstrat.unregister("my_data_parallel")
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
+
+  def decorator(cls: S) -> S:
+    from parstrat._src.strategy import Strategy  # noqa: PLC0415 (import cycle)
+
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+      raise TypeError(
+          f"@parstrat.register({name!r}) needs a subclass of parstrat.Strategy, got {cls!r}."
+      )
+    if name in _REGISTRY and not overwrite and _REGISTRY[name] is not cls:
+      raise ValueError(
+          f"A strategy is already registered as {name!r} ({_REGISTRY[name].__qualname__}); "
+          "pass overwrite=True to replace it."
+      )
+    _REGISTRY[name] = cls
+    return cls
+
+  return decorator
+
+
+def unregister(name: str) -> None:
+  """Removes the strategy registered under `name`.
+
+  Raises:
+    KeyError: if no strategy is registered under `name`.
+  """
+  if name not in _REGISTRY:
+    raise KeyError(_unknown_name_message(name))
+  del _REGISTRY[name]
+
+
+def available() -> list[str]:
+  """Returns the sorted names of every registered strategy."""
+  return sorted(_REGISTRY)
+
+
+def lookup(name: str) -> type:
+  """Returns the strategy class registered under `name`.
+
+  Raises:
+    KeyError: if `name` is not registered; the message lists the registered
+      names and the closest match.
+  """
+  try:
+    return _REGISTRY[name]
+  except (KeyError, TypeError):
+    raise KeyError(_unknown_name_message(name)) from None
+
+
+def get(name: str, /, **config: Any):
+  """Builds the strategy registered under `name` with keyword `config`.
+
+  `parstrat.get("data_parallel", data=4)` is `parstrat.DataParallel(data=4)`.
+
+  Args:
+    name: a registered strategy name (see `parstrat.available()`).
+    **config: the strategy's keyword arguments.
+
+  Returns:
+    A `parstrat.Strategy` instance; call it with a model and an optimizer.
+
+  Raises:
+    KeyError: if `name` is not registered.
+    TypeError, ValueError: if `config` does not fit the strategy.
+
+  Example:
+    >>> import parstrat
+    >>> parstrat.get("data_parallel", data=2)
+    DataParallel(data=2)
+  """
+  return lookup(name)(**config)
+
+
+def _unknown_name_message(name: object) -> str:
+  names = available()
+  message = f"Unknown strategy {name!r}; registered strategies: {', '.join(names) or 'none'}."
+  close = difflib.get_close_matches(str(name), names, n=1)
+  if close:
+    message += f" Did you mean {close[0]!r}?"
+  return message

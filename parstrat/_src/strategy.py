@@ -1,0 +1,556 @@
+"""The `Strategy` base class, the `Plan` it produces, and the `Trainer` engine.
+
+A strategy answers three questions and nothing else:
+
+1. Which mesh does it want?                      `Strategy.make_mesh`
+2. How are params stored and the batch split?    `Plan.param_spec`, `Plan.batch_spec`,
+                                                 `Plan.to_stored`, `Plan.to_params`
+3. How does one device compute its gradients?    `Plan.loss_and_grad`, `Plan.forward`
+
+The `Trainer` does the rest the same way for every strategy: it initialises and
+places the state, runs the optimizer in the global (jit) view, validates batches,
+and compiles one step program.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from parstrat._src import checks
+
+Params = Any  # a pytree in the model's own (Haiku) layout
+LossFn = Callable[[jax.Array, jax.Array], jax.Array]
+Batch = tuple[Any, Any]
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """The default loss: mean softmax cross-entropy on integer labels.
+
+  Args:
+    logits: `[B, C]` float logits.
+    labels: `[B]` integer class labels in `[0, C)`.
+
+  Returns:
+    The scalar mean loss over the batch.
+  """
+  return optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class TrainState(NamedTuple):
+  """Training state, as laid out on the strategy's mesh.
+
+  Attributes:
+    step: the number of optimizer updates applied so far (a replicated int32).
+    params: the parameters in the strategy's storage layout (use
+      `trainer.params(state)` for the model's own layout).
+    opt_state: the optax state of `params`, sharded like them.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How one model is laid out and differentiated on a strategy's mesh.
+
+  A `Plan` is built by `Strategy.make_plan` once the parameter shapes are known.
+  Every function in it is pure and traceable.
+
+  Attributes:
+    param_spec: `PartitionSpec` (or a pytree prefix of them) of the stored params.
+    batch_spec: `PartitionSpec` of the batch's leading axis.
+    to_stored: maps params in the model's layout to the stored layout.
+    to_params: the inverse of `to_stored`.
+    loss_and_grad: `(stored, inputs, labels) -> (loss, grads)` for one device, run
+      under `jax.shard_map` over the whole mesh. `stored`, `inputs` and `labels`
+      are the device's blocks. It returns the global mean loss and the gradients
+      of it (already reduced over every axis the batch is split on), shaped and
+      sharded like `stored`.
+    forward: `(stored, inputs) -> logits` for one device, under `jax.shard_map`;
+      the logits are split like the inputs.
+    batch_multiple: the per-device batch must be a multiple of this (e.g. the
+      number of pipeline microbatches).
+    description: a human-readable account of the layout (e.g. a stage table).
+    check_vma: run `loss_and_grad` and `forward` under `jax.shard_map` with
+      varying-manual-axes checking. Keep it on unless every reduction is
+      explicit (with it on, the gradient of a replicated input comes back
+      already summed over the mesh).
+  """
+
+  param_spec: Any
+  batch_spec: P
+  to_stored: Callable[[Params], Any]
+  to_params: Callable[[Any], Params]
+  loss_and_grad: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+  forward: Callable[[Any, jax.Array], jax.Array]
+  batch_multiple: int = 1
+  description: str = ""
+  check_vma: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy(abc.ABC):
+  """A way to lay a model and its training step out over a device mesh.
+
+  A subclass is a frozen dataclass of its options and implements two methods:
+
+  * `make_mesh()`: the `jax.sharding.Mesh` it wants, with named axes.
+  * `make_plan(model, loss_fn, mesh, sample_params, sample_inputs)`: a `Plan`
+    saying how params are stored (and sharded), how the batch is split, and how
+    one device computes the loss and the *averaged* gradients with collectives
+    over the mesh's axis names.
+
+  Calling a strategy with a Haiku model and an optax optimizer returns a
+  `Trainer`; the trainer, not the strategy, holds anything model-specific.
+
+  Attributes:
+    devices: the devices to build the mesh from (default: `jax.devices()`).
+    debug: check after every step that replicas of every replicated value are
+      identical across devices (`parstrat.checks.assert_replicas_equal`).
+
+  Example:
+    >>> import haiku as hk, jax, optax, parstrat
+    >>> model = hk.transform(lambda x: hk.nets.MLP([8, 10])(x))
+    >>> trainer = parstrat.get("data_parallel", data=2)(model, optax.sgd(0.1))
+    >>> state = trainer.init(jax.random.key(0), jax.numpy.zeros((1, 4)))
+    >>> state.params["mlp/~/linear_0"]["w"].shape
+    (4, 8)
+  """
+
+  devices: Sequence[jax.Device] | None = None
+  debug: bool = False
+
+  #: Names of the mesh axes this strategy uses, in order.
+  axis_names: ClassVar[tuple[str, ...]] = ()
+
+  @abc.abstractmethod
+  def make_mesh(self) -> Mesh:
+    """Returns the mesh this strategy runs on.
+
+    Raises:
+      ValueError: if the requested mesh does not fit the available devices.
+    """
+
+  @abc.abstractmethod
+  def make_plan(
+      self,
+      model: hk.Transformed,
+      loss_fn: LossFn,
+      mesh: Mesh,
+      sample_params: Params,
+      sample_inputs: jax.ShapeDtypeStruct,
+  ) -> Plan:
+    """Returns the `Plan` for `model` on `mesh`.
+
+    Args:
+      model: the user's Haiku model (only `init` and `apply` are used).
+      loss_fn: `(logits, labels) -> scalar` mean loss over examples.
+      mesh: the mesh from `make_mesh`.
+      sample_params: abstract params (`jax.ShapeDtypeStruct` leaves).
+      sample_inputs: abstract inputs of one example batch (any batch size).
+    """
+
+  def __call__(
+      self,
+      model: hk.Transformed,
+      optimizer: optax.GradientTransformation,
+      *,
+      loss_fn: LossFn | None = None,
+  ) -> Trainer:
+    """Wraps `model` and `optimizer` into a `Trainer` on this strategy's mesh.
+
+    Args:
+      model: an `hk.Transformed` (e.g. from `hk.transform`); `apply` is called
+        with `rng=None`, so the model must not need randomness.
+      optimizer: any `optax.GradientTransformation`.
+      loss_fn: `(logits, labels) -> scalar`, a *mean* over examples (it is
+        averaged over devices and microbatches). Default: softmax
+        cross-entropy on integer labels.
+
+    Returns:
+      A `Trainer`.
+
+    Raises:
+      TypeError: if `model`, `optimizer` or `loss_fn` are of the wrong kind.
+      ValueError: if the mesh does not fit the available devices.
+    """
+    return Trainer(self, model, optimizer, loss_fn=loss_fn)
+
+  def __repr__(self) -> str:
+    shown = []
+    for field in dataclasses.fields(self):
+      if not field.init or not field.repr:
+        continue
+      value = getattr(self, field.name)
+      if value != field.default:
+        shown.append(f"{field.name}={value!r}")
+    return f"{type(self).__name__}({', '.join(shown)})"
+
+
+def available_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
+  """Returns `devices` as a list, or every device JAX sees."""
+  return list(jax.devices() if devices is None else devices)
+
+
+def build_mesh(
+    axis_sizes: dict[str, int | None],
+    devices: Sequence[jax.Device] | None,
+) -> Mesh:
+  """Builds a mesh with the named axes; at most one size may be `None` (fill).
+
+  The axes are `AxisType.Auto`: parstrat writes every collective explicitly
+  inside `jax.shard_map` and pins shardings on `jit`, and Auto axes keep
+  mesh-typed arrays out of the user's own code (with Explicit axes, a plain
+  `jax.jit(model.apply)` on returned params fails outside `jax.set_mesh`).
+
+  Args:
+    axis_sizes: mesh axis name -> size, in mesh order; one `None` takes all the
+      remaining devices.
+    devices: the devices to use (default: all).
+
+  Returns:
+    The mesh, over the first `prod(sizes)` devices.
+
+  Raises:
+    ValueError: if a size is not a positive integer, or more devices are asked
+      for than exist, or the devices do not divide evenly.
+  """
+  devs = available_devices(devices)
+  known = 1
+  for name, size in axis_sizes.items():
+    if size is None:
+      continue
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+      raise ValueError(f"Mesh axis {name!r} needs a positive integer size, got {size!r}.")
+    known *= int(size)
+  fill = [name for name, size in axis_sizes.items() if size is None]
+  sizes = dict(axis_sizes)
+  if fill:
+    if len(fill) > 1:
+      raise ValueError(f"At most one mesh axis may be left to fill the devices, got {fill}.")
+    if len(devs) % known:
+      raise ValueError(
+          f"{len(devs)} devices do not split evenly into axis {fill[0]!r} with the other "
+          f"axes {dict((k, v) for k, v in axis_sizes.items() if v is not None)} (product {known})."
+      )
+    sizes[fill[0]] = len(devs) // known
+  total = int(np.prod(list(sizes.values())))
+  if total > len(devs):
+    described = " x ".join(f"{name}={size}" for name, size in sizes.items())
+    raise ValueError(
+        f"The mesh {described} needs {total} devices, but only {len(devs)} are available."
+    )
+  shape = tuple(int(s) for s in sizes.values())
+  return jax.make_mesh(
+      shape,
+      tuple(sizes),
+      devices=devs[:total],
+      axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+  )
+
+
+def _check_model(model: Any) -> None:
+  if isinstance(model, hk.TransformedWithState):
+    raise TypeError(
+        "parstrat trains stateless models: got an hk.TransformedWithState "
+        "(from hk.transform_with_state); use hk.transform."
+    )
+  if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
+    raise TypeError(
+        f"The model must be an hk.Transformed (from hk.transform), got {type(model).__name__}."
+    )
+
+
+def _check_optimizer(optimizer: Any) -> None:
+  if not (
+      callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
+    raise TypeError(
+        "The optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+        f"got {type(optimizer).__name__}."
+    )
+
+
+class Trainer:
+  """A model and an optimizer laid out by a strategy: `init`, `step`, `apply`, `params`.
+
+  Built by calling a `Strategy`. The compiled programs are built on first use
+  and cached, so the second `step` does not retrace.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
+    >>> model = hk.transform(lambda x: hk.nets.MLP([16, 10])(x))
+    >>> trainer = parstrat.DataParallel(data=2)(model, optax.sgd(0.1))
+    >>> images, labels = jnp.ones((8, 4)), jnp.zeros((8,), jnp.int32)
+    >>> state = trainer.init(jax.random.key(0), images[:1])
+    >>> state, metrics = trainer.step(state, (images, labels))
+    >>> int(state.step), metrics["loss"].shape
+    (1, ())
+  """
+
+  def __init__(
+      self,
+      strategy: Strategy,
+      model: hk.Transformed,
+      optimizer: optax.GradientTransformation,
+      *,
+      loss_fn: LossFn | None = None,
+  ):
+    _check_model(model)
+    _check_optimizer(optimizer)
+    if loss_fn is not None and not callable(loss_fn):
+      raise TypeError(f"loss_fn must be callable (logits, labels) -> scalar, got {loss_fn!r}.")
+    self.strategy = strategy
+    self.model = model
+    self.optimizer = optimizer
+    self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
+    self.uses_default_loss = loss_fn is None
+    self.mesh = strategy.make_mesh()
+    self._plan: Plan | None = None
+    self._input_shape: tuple[int, ...] | None = None
+    self._input_dtype: Any = None
+
+  def __repr__(self) -> str:
+    return f"Trainer({self.strategy!r}, mesh={dict(self.mesh.shape)})"
+
+  # ----------------------------------------------------------------- plan
+  @property
+  def plan(self) -> Plan:
+    """The strategy's `Plan` for this model (available after `init`)."""
+    if self._plan is None:
+      raise RuntimeError("Call trainer.init(rng, sample_inputs) before using the trainer.")
+    return self._plan
+
+  def _shardings(self, spec_tree: Any) -> Any:
+    return jax.tree.map(
+        lambda spec: NamedSharding(self.mesh, spec),
+        spec_tree,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+  @functools.cached_property
+  def _replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  # ----------------------------------------------------------------- init
+  def init(self, rng: jax.Array, sample_inputs: Any) -> TrainState:
+    """Initialises params and optimizer state, placed on the mesh.
+
+    Args:
+      rng: a JAX PRNG key (`jax.random.key(seed)`).
+      sample_inputs: example inputs `[B, ...]` of any batch size `B >= 1`; their
+        per-example shape and dtype are what `step` and `apply` will accept.
+
+    Returns:
+      A `TrainState` whose arrays carry the strategy's shardings.
+
+    Raises:
+      TypeError, ValueError: for inputs that are not a float array with a batch
+        axis, or a model that the strategy cannot lay out.
+    """
+    sample = _as_array("sample_inputs", sample_inputs)
+    if sample.ndim < 1 or sample.shape[0] < 1:
+      raise ValueError(
+          f"sample_inputs needs a leading batch axis of size >= 1, got shape {sample.shape}."
+      )
+    if not jnp.issubdtype(sample.dtype, jnp.floating):
+      raise TypeError(f"sample_inputs must be floating point, got dtype {sample.dtype}.")
+    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
+    abstract_params = jax.eval_shape(self.model.init, rng, abstract_inputs)
+    plan = self.strategy.make_plan(
+        self.model, self.loss_fn, self.mesh, abstract_params, abstract_inputs
+    )
+    param_shardings = self._shardings(plan.param_spec)
+    stored = jax.jit(
+        lambda key: plan.to_stored(self.model.init(key, sample)),
+        out_shardings=param_shardings,
+    )(rng)
+    # Optimizer-state leaves that mirror a parameter get that parameter's
+    # sharding; counters and other non-parameter leaves are replicated.
+    abstract_opt = jax.eval_shape(self.optimizer.init, stored)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        self.optimizer,
+        lambda _, sharding: sharding,
+        abstract_opt,
+        jax.tree.broadcast(param_shardings, stored),
+        transform_non_params=lambda _: self._replicated,
+    )
+    opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(stored)
+    step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+    # Commit only once everything is built: a failure above leaves no half state.
+    self._plan = plan
+    self._input_shape = tuple(sample.shape[1:])
+    self._input_dtype = sample.dtype
+    self.__dict__.pop("_compiled_step", None)
+    self.__dict__.pop("_compiled_apply", None)
+    self.__dict__.pop("_compiled_params", None)
+    return TrainState(step=step, params=stored, opt_state=opt_state)
+
+  # ----------------------------------------------------------------- step
+  @functools.cached_property
+  def _compiled_step(self):
+    plan = self.plan
+    mesh = self.mesh
+    param_spec = plan.param_spec
+    grad_fn = jax.shard_map(
+        plan.loss_and_grad,
+        mesh=mesh,
+        in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
+        out_specs=(P(), param_spec),
+        check_vma=plan.check_vma,
+    )
+    optimizer = self.optimizer
+
+    def train_step(state: TrainState, inputs, labels):
+      loss, grads = grad_fn(state.params, inputs, labels)
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+      metrics = {"loss": loss, "grad_norm": optax.tree_utils.tree_norm(grads)}
+      return TrainState(state.step + 1, params, opt_state), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+  def _batch_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, self.plan.batch_spec)
+
+  def _batch_split(self) -> int:
+    """How many ways the batch's leading axis is split across the mesh."""
+    spec = self.plan.batch_spec
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+      return 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+  def _check_inputs(self, inputs: Any, what: str) -> jax.Array | np.ndarray:
+    x = _as_array(what, inputs)
+    expected = self._input_shape
+    if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
+      raise ValueError(
+          f"{what} must have shape [B, {', '.join(map(str, expected))}] like the sample "
+          f"given to init, got {tuple(x.shape)}."
+      )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{what} must be floating point (e.g. float32), got dtype {x.dtype}.")
+    self._check_batch_size(x.shape[0], what)
+    return x
+
+  def _check_batch_size(self, batch: int, what: str) -> None:
+    split = self._batch_split()
+    multiple = split * self.plan.batch_multiple
+    if batch < 1 or batch % multiple:
+      detail = f"{split} device(s) along {self.plan.batch_spec}"
+      if self.plan.batch_multiple > 1:
+        detail += f" x {self.plan.batch_multiple} microbatches"
+      raise ValueError(
+          f"The batch size of {what} must be a positive multiple of {multiple} "
+          f"({detail}), got {batch}."
+      )
+
+  def _check_batch(self, batch: Any) -> tuple[Any, Any]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+      raise TypeError(f"A batch is a pair (images, labels), got {type(batch).__name__}.")
+    x = self._check_inputs(batch[0], "images")
+    y = _as_array("labels", batch[1])
+    if y.ndim < 1 or y.shape[0] != x.shape[0]:
+      raise ValueError(
+          f"labels must have a leading axis of {x.shape[0]} (one per image), "
+          f"got shape {tuple(y.shape)}."
+      )
+    if self.uses_default_loss:
+      if y.ndim != 1:
+        raise ValueError(f"labels must have shape [{x.shape[0]}], got {tuple(y.shape)}.")
+      if not jnp.issubdtype(y.dtype, jnp.integer):
+        raise TypeError(f"labels must be integer class ids, got dtype {y.dtype}.")
+    return x, y
+
+  def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Runs one training step: forward, backward, gradient averaging, update.
+
+    One compiled program; `state` is donated (do not reuse it afterwards).
+
+    Args:
+      state: from `init` or a previous `step`.
+      batch: `(images [B, ...] float, labels [B] int)`; `B` must split evenly
+        over the strategy's batch axes (and microbatches).
+
+    Returns:
+      `(new_state, metrics)`, metrics `{"loss", "grad_norm"}` as device scalars.
+
+    Raises:
+      TypeError, ValueError: for a malformed batch (checked before anything runs,
+        so `state` stays usable).
+    """
+    x, y = self._check_batch(batch)
+    chex.assert_equal_shape_prefix([x, y], 1)
+    sharding = self._batch_sharding()
+    x, y = jax.device_put((x, y), sharding)
+    state, metrics = self._compiled_step(state, x, y)
+    if self.strategy.debug:
+      checks.assert_replicas_equal(state)
+    return state, metrics
+
+  # ----------------------------------------------------------------- apply
+  @functools.cached_property
+  def _compiled_apply(self):
+    plan = self.plan
+    fwd = jax.shard_map(
+        plan.forward,
+        mesh=self.mesh,
+        in_specs=(plan.param_spec, plan.batch_spec),
+        out_specs=plan.batch_spec,
+        check_vma=plan.check_vma,
+    )
+    return jax.jit(fwd)
+
+  def apply(self, state: TrainState, inputs: Any) -> jax.Array:
+    """Returns the model's outputs on `inputs`, computed under the same layout.
+
+    Args:
+      state: a `TrainState` of this trainer.
+      inputs: `[B, ...]` float inputs; `B` must split like a training batch.
+
+    Returns:
+      The logits, `[B, ...]`, split over the mesh like the inputs.
+    """
+    x = self._check_inputs(inputs, "inputs")
+    x = jax.device_put(x, self._batch_sharding())
+    return self._compiled_apply(state.params, x)
+
+  # ----------------------------------------------------------------- params
+  @functools.cached_property
+  def _compiled_params(self):
+    return jax.jit(self.plan.to_params, out_shardings=self._replicated)
+
+  def params(self, state: TrainState) -> Params:
+    """Returns the full params in the model's own Haiku layout (replicated).
+
+    `model.apply(trainer.params(state), None, x)` works without parstrat.
+    """
+    return self._compiled_params(state.params)
+
+
+def _as_array(what: str, value: Any):
+  if isinstance(value, (jax.Array, np.ndarray)):
+    return value
+  if isinstance(value, (list, tuple, int, float)) or np.isscalar(value):
+    try:
+      return np.asarray(value)
+    except Exception as e:  # noqa: BLE001
+      raise TypeError(f"{what} must be an array, got {type(value).__name__}: {e}") from None
+  raise TypeError(f"{what} must be a jax or numpy array, got {type(value).__name__}.")
