@@ -197,7 +197,9 @@ class Strategy(abc.ABC):
       if not field.init or not field.repr:
         continue
       value = getattr(self, field.name)
-      if value != field.default:
+      if field.name == "devices" and value is not None:
+        shown.append(f"devices=<{len(value)} devices>")
+      elif value != field.default:
         shown.append(f"{field.name}={value!r}")
     return f"{type(self).__name__}({', '.join(shown)})"
 

@@ -1,0 +1,224 @@
+"""The `parstrat` command line: train MNIST with any strategy, list strategies, draw schedules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+DEFAULT_DEVICES = 8
+
+
+class UsageError(Exception):
+  """A bad command line; reported in one line with exit code 2."""
+
+
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+  return value
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+  return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="parstrat", description="Parallelism strategies for Haiku models on JAX."
+  )
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  train = sub.add_parser("train", help="train an MLP on MNIST with a strategy")
+  train.add_argument("--strategy", default="data_parallel", help="a registered strategy name")
+  train.add_argument("--epochs", type=_positive, default=3)
+  train.add_argument("--batch-size", type=_positive, default=256, help="global batch size")
+  train.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
+  train.add_argument("--seed", type=int, default=0)
+  train.add_argument(
+      "--devices",
+      type=_positive,
+      default=DEFAULT_DEVICES,
+      help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
+  )
+  train.add_argument(
+      "--hidden", type=_positive, nargs="+", default=[512], help="hidden layer widths"
+  )
+  train.add_argument("--source", choices=("auto", "tfds", "sample"), default="auto")
+  train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
+  train.add_argument("--data", type=_positive, default=None, help="data-parallel replicas")
+  train.add_argument("--stages", type=_positive, default=None, help="pipeline stages")
+  train.add_argument("--microbatches", type=_positive, default=None)
+  train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+  train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+  sched = sub.add_parser("schedule", help="print and draw a pipeline schedule")
+  sched.add_argument("--stages", type=_positive, required=True)
+  sched.add_argument("--microbatches", type=_positive, required=True)
+  sched.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+  sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
+
+  sub.add_parser("list", help="list the registered strategies")
+  return parser
+
+
+def _setup_devices(count: int) -> None:
+  """Makes `count` virtual CPU devices; must run before JAX starts its backend."""
+  import jax
+
+  try:
+    jax.config.update("jax_num_cpu_devices", count)
+  except RuntimeError as e:  # backend already running: keep what it has
+    print(f"warning: could not set {count} CPU devices ({e})", file=sys.stderr)
+
+
+def _strategy_config(args: argparse.Namespace) -> dict:
+  config = {}
+  for key in ("data", "stages", "microbatches", "schedule"):
+    value = getattr(args, key)
+    if value is not None:
+      config[key] = value
+  return config
+
+
+def _accuracy(trainer, state, images, labels, batch_size: int) -> float:
+  import numpy as np
+
+  correct = 0
+  for start in range(0, len(labels), batch_size):
+    x = images[start : start + batch_size]
+    n = len(x)
+    if n < batch_size:  # pad the last batch to the step's shape; padding is not counted
+      x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
+    logits = np.asarray(trainer.apply(state, x))[:n]
+    correct += int(np.sum(logits.argmax(-1) == labels[start : start + n]))
+  return correct / len(labels)
+
+
+def train(args: argparse.Namespace) -> dict:
+  _setup_devices(args.devices)
+  import haiku as hk
+  import jax
+  import optax
+  from tqdm import tqdm
+
+  import parstrat
+  from parstrat._src import datasets
+
+  devices = jax.devices()
+  if args.devices > len(devices):
+    raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
+  devices = devices[: args.devices]
+  try:
+    strategy = parstrat.get(args.strategy, devices=devices, **_strategy_config(args))
+  except (KeyError, TypeError, ValueError) as e:
+    raise UsageError(str(e).strip("'\"")) from None
+
+  widths = [*args.hidden, 10]
+  model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
+  data = datasets.load_mnist(args.source, data_dir=args.data_dir)
+  print(f"data: {data}")
+  trainer = strategy(model, optax.adam(args.lr))
+  state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
+  print(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  if trainer.plan.description:
+    print(trainer.plan.description)
+  steps_per_epoch = len(data.train_labels) // args.batch_size
+  if steps_per_epoch < 1:
+    raise UsageError(
+        f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
+    )
+  losses = []
+  examples = 0
+  train_time = 0.0
+  for epoch in range(args.epochs):
+    batches = datasets.batches(
+        data.train_images, data.train_labels, args.batch_size, seed=args.seed, epoch=epoch
+    )
+    bar = tqdm(
+        batches,
+        total=steps_per_epoch,
+        desc=f"epoch {epoch + 1}/{args.epochs}",
+        disable=args.no_progress,
+        leave=True,
+    )
+    start = time.perf_counter()
+    for images, labels in bar:
+      try:
+        state, metrics = trainer.step(state, (images, labels))
+      except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+      losses.append(metrics["loss"])
+      bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
+    jax.block_until_ready(state)
+    if epoch > 0:  # the first epoch includes compilation
+      train_time += time.perf_counter() - start
+      examples += steps_per_epoch * args.batch_size
+    loss = float(losses[-1])
+    print(f"epoch {epoch + 1}: loss {loss:.4f}")
+  accuracy = _accuracy(trainer, state, data.eval_images, data.eval_labels, args.batch_size)
+  rate = examples / train_time if train_time else float("nan")
+  print(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
+  print(
+      f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
+      f"{len(devices)} {devices[0].platform} devices"
+  )
+  print(f"mesh: {dict(trainer.mesh.shape)}")
+  return {"accuracy": accuracy, "losses": [float(x) for x in losses], "state": state}
+
+
+def schedule(args: argparse.Namespace) -> None:
+  from parstrat._src.pipeline import schedule as schedule_lib
+
+  try:
+    table = schedule_lib.build_schedule(args.schedule, args.stages, args.microbatches)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  print(table)
+  print(
+      f"bubble fraction: {table.bubble_fraction():.4f} measured, "
+      f"{table.theoretical_bubble():.4f} theory (P-1)/(M+P-1); "
+      f"peak live activations per stage: {table.max_live_activations()}"
+  )
+  if args.out:
+    from parstrat._src.pipeline import drawing
+
+    drawing.draw_schedule(table, args.out)
+    print(f"wrote {args.out}")
+
+
+def list_strategies() -> None:
+  import parstrat
+
+  for name in parstrat.available():
+    cls = parstrat._src.registry.lookup(name)
+    doc = (cls.__doc__ or "").strip().splitlines()
+    axes = ", ".join(cls.axis_names) or "-"
+    print(f"{name:<16} axes: {axes:<14} {doc[0] if doc else ''}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    if args.command == "train":
+      train(args)
+    elif args.command == "schedule":
+      schedule(args)
+    elif args.command == "list":
+      list_strategies()
+  except UsageError as e:
+    print(f"parstrat {args.command}: error: {e}", file=sys.stderr)
+    return 2
+  return 0

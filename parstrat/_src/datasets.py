@@ -1,0 +1,220 @@
+"""MNIST: through tensorflow-datasets when it can be had, else the bundled real sample."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import gzip
+import hashlib
+import importlib.resources
+import socket
+import urllib.parse
+from collections.abc import Iterator
+
+import numpy as np
+
+SAMPLE_IMAGES = "t10k-images-idx3-ubyte.gz"
+SAMPLE_LABELS = "t10k-labels-idx1-ubyte.gz"
+#: md5 of the decompressed sample images (from the sample's README).
+SAMPLE_IMAGES_MD5 = "2646ac647ad5339dbf082846283269ea"
+SAMPLE_TRAIN = 8_000
+SAMPLE_EVAL = 2_000
+NUM_PIXELS = 28 * 28
+SOURCES = ("auto", "tfds", "sample")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """Images as float32 `[N, 784]` in [0, 1], labels as int32 `[N]`."""
+
+  train_images: np.ndarray
+  train_labels: np.ndarray
+  eval_images: np.ndarray
+  eval_labels: np.ndarray
+  source: str
+
+  def __repr__(self) -> str:
+    return (
+        f"Dataset({self.source}: {len(self.train_labels)} train, "
+        f"{len(self.eval_labels)} eval)"
+    )
+
+
+def preprocess(images: np.ndarray) -> np.ndarray:
+  """uint8 `[N, 28, 28(, 1)]` -> float32 `[N, 784]` scaled to [0, 1]."""
+  images = np.asarray(images)
+  return (images.reshape(images.shape[0], -1).astype(np.float32)) / 255.0
+
+
+def _read_idx(raw: bytes) -> np.ndarray:
+  """Parses an IDX file (the MNIST format): magic, dims, then uint8 data."""
+  if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+    raise ValueError("Not an unsigned-byte IDX file.")
+  ndim = raw[3]
+  dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+  data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+  if data.size != int(np.prod(dims)):
+    raise ValueError(f"IDX header says {dims} but holds {data.size} bytes.")
+  return data.reshape(dims)
+
+
+def sample_files() -> tuple[bytes, bytes]:
+  """The bundled files, decompressed: (images IDX, labels IDX)."""
+  root = importlib.resources.files("parstrat") / "data"
+  images = gzip.decompress((root / SAMPLE_IMAGES).read_bytes())
+  labels = gzip.decompress((root / SAMPLE_LABELS).read_bytes())
+  return images, labels
+
+
+def load_sample() -> Dataset:
+  """The bundled official MNIST test set, split 8,000 train / 2,000 eval.
+
+  Returns:
+    A `Dataset` with `source="sample"`.
+
+  Raises:
+    ValueError: if the bundled files are damaged (md5 mismatch).
+  """
+  raw_images, raw_labels = sample_files()
+  if hashlib.md5(raw_images).hexdigest() != SAMPLE_IMAGES_MD5:
+    raise ValueError("The bundled MNIST sample is damaged (md5 mismatch); reinstall parstrat.")
+  images = preprocess(_read_idx(raw_images))
+  labels = _read_idx(raw_labels).astype(np.int32)
+  return Dataset(
+      images[:SAMPLE_TRAIN],
+      labels[:SAMPLE_TRAIN],
+      images[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
+      labels[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
+      source="sample",
+  )
+
+
+def _split_arrays(source) -> tuple[np.ndarray, np.ndarray]:
+  indices = list(range(len(source)))
+  getitems = getattr(source, "__getitems__", None)
+  records = getitems(indices) if getitems else [source[i] for i in indices]
+  images = np.stack([np.asarray(r["image"]) for r in records])
+  labels = np.asarray([r["label"] for r in records], np.int32)
+  return preprocess(images), labels
+
+
+def load_tfds(data_dir: str | None = None, *, download: bool = True) -> Dataset:
+  """Full MNIST (60,000 train / 10,000 test) through `tfds.data_source`.
+
+  Uses tensorflow-datasets' random-access data sources, which need no
+  TensorFlow at read time.
+
+  Args:
+    data_dir: where tfds keeps its datasets (default: tfds's own).
+    download: allow tfds to download and prepare the dataset.
+
+  Returns:
+    A `Dataset` with `source="tfds"`.
+  """
+  import tensorflow_datasets as tfds
+
+  train = tfds.data_source("mnist", split="train", data_dir=data_dir, download=download)
+  test = tfds.data_source("mnist", split="test", data_dir=data_dir, download=download)
+  train_images, train_labels = _split_arrays(train)
+  eval_images, eval_labels = _split_arrays(test)
+  return Dataset(train_images, train_labels, eval_images, eval_labels, source="tfds")
+
+
+def _tfds_prepared(data_dir: str | None) -> bool:
+  import tensorflow_datasets as tfds
+  from absl import logging as absl_logging
+
+  verbosity = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.ERROR)  # "no dataset_info.json" is expected here
+  try:
+    return tfds.builder("mnist", data_dir=data_dir).is_prepared()
+  except Exception:  # noqa: BLE001 - any failure means "not usable"
+    return False
+  finally:
+    absl_logging.set_verbosity(verbosity)
+
+
+def _download_host() -> str | None:
+  try:
+    from tensorflow_datasets.image_classification import mnist
+  except Exception:  # noqa: BLE001
+    return None
+  url = getattr(mnist, "_MNIST_URL", None)
+  return urllib.parse.urlparse(url).hostname if url else None
+
+
+def _resolves(host: str | None, timeout: float) -> bool:
+  if not host:
+    return False
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    future = pool.submit(socket.getaddrinfo, host, 443)
+    try:
+      future.result(timeout=timeout)
+      return True
+    except Exception:  # noqa: BLE001 - unresolvable or slow: offline
+      return False
+
+
+def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) -> Dataset:
+  """Loads MNIST from tensorflow-datasets, or the bundled sample.
+
+  Args:
+    source: "tfds" (download if needed; fail if impossible), "sample" (the
+      bundled 10,000 official test images, split 8,000 / 2,000) or "auto":
+      tfds when the dataset is already prepared or its download host answers
+      within 3 s, else the sample, saying so in one line.
+    data_dir: tfds's data directory.
+    log: where the one-line fallback notice goes.
+
+  Returns:
+    The `Dataset`.
+
+  Raises:
+    ValueError: for an unknown `source`.
+  """
+  if source not in SOURCES:
+    raise ValueError(f"Unknown MNIST source {source!r}; choose one of {SOURCES}.")
+  if source == "sample":
+    return load_sample()
+  if source == "tfds":
+    return load_tfds(data_dir)
+  if _tfds_prepared(data_dir):
+    return load_tfds(data_dir, download=False)
+  if _resolves(_download_host(), timeout=3.0):
+    try:
+      return load_tfds(data_dir)
+    except Exception as e:  # noqa: BLE001 - any download failure falls back
+      log(f"MNIST download through tensorflow-datasets failed ({type(e).__name__}); "
+          "using the bundled sample of 10,000 real MNIST images (8,000 train / 2,000 eval).")
+      return load_sample()
+  log("No network for tensorflow-datasets: using the bundled sample of 10,000 real "
+      "MNIST images (8,000 train / 2,000 eval).")
+  return load_sample()
+
+
+def batches(
+    images: np.ndarray,
+    labels: np.ndarray,
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """Yields full global batches in a deterministic order for `(seed, epoch)`.
+
+  The order depends only on the seed, the epoch and the global batch size, so
+  it is the same for any device count; the last partial batch is dropped.
+
+  Raises:
+    ValueError: if `batch_size` is not positive or exceeds the data.
+  """
+  n = len(labels)
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+  if batch_size > n:
+    raise ValueError(f"batch_size={batch_size} exceeds the {n} examples available.")
+  order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+  for start in range(0, n - batch_size + 1, batch_size):
+    index = order[start : start + batch_size]
+    yield images[index], labels[index]
