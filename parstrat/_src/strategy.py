@@ -378,10 +378,10 @@ class Trainer:
         self.model, self.loss_fn, self.mesh, abstract_params, abstract_inputs
     )
     param_shardings = self._shardings(plan.param_spec)
-    stored = jax.jit(
-        lambda key: plan.to_stored(self.model.init(key, sample)),
-        out_shardings=param_shardings,
-    )(rng)
+    # `jax.jit(model.init)` is cached per model, so trainers of one model share
+    # the (slow to compile) initialiser; the re-layout is a program of its own.
+    params = jax.jit(self.model.init)(rng, sample)
+    stored = jax.jit(plan.to_stored, out_shardings=param_shardings)(params)
     # Optimizer-state leaves that mirror a parameter get that parameter's
     # sharding; counters and other non-parameter leaves are replicated.
     abstract_opt = jax.eval_shape(self.optimizer.init, stored)
@@ -394,14 +394,16 @@ class Trainer:
     )
     opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(stored)
     step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+    state = TrainState(step=step, params=stored, opt_state=opt_state)
     # Commit only once everything is built: a failure above leaves no half state.
     self._plan = plan
     self._input_shape = tuple(sample.shape[1:])
     self._input_dtype = sample.dtype
+    self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self.__dict__.pop("_compiled_step", None)
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
-    return TrainState(step=step, params=stored, opt_state=opt_state)
+    return state
 
   # ----------------------------------------------------------------- step
   @functools.cached_property
@@ -425,7 +427,13 @@ class Trainer:
       metrics = {"loss": loss, "grad_norm": optax.tree_utils.tree_norm(grads)}
       return TrainState(state.step + 1, params, opt_state), metrics
 
-    return jax.jit(train_step, donate_argnums=0)
+    # Pinning the output shardings to the input's keeps the state a fixed
+    # point, so the second step reuses the first step's program.
+    return jax.jit(
+        train_step,
+        donate_argnums=0,
+        out_shardings=(self._state_shardings, self._replicated),
+    )
 
   def _batch_sharding(self) -> NamedSharding:
     return NamedSharding(self.mesh, self.plan.batch_spec)
@@ -440,6 +448,7 @@ class Trainer:
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
   def _check_inputs(self, inputs: Any, what: str) -> jax.Array | np.ndarray:
+    self.plan  # noqa: B018 - raises a clear error before init
     x = _as_array(what, inputs)
     expected = self._input_shape
     if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:

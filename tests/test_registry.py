@@ -1,0 +1,60 @@
+import pytest
+
+import parstrat
+
+
+def test_builtin_names_are_registered():
+  assert parstrat.available() == sorted(parstrat.available())
+  assert {"data_parallel", "pipeline", "hybrid"} <= set(parstrat.available())
+
+
+def test_get_builds_the_registered_class_with_config():
+  assert parstrat.get("data_parallel", data=4) == parstrat.DataParallel(data=4)
+  assert isinstance(parstrat.get("pipeline", stages=2), parstrat.PipelineModelParallel)
+  assert isinstance(parstrat.get("hybrid", data=2, stages=4), parstrat.Hybrid)
+
+
+def test_unknown_name_lists_names_and_closest_match():
+  with pytest.raises(KeyError) as info:
+    parstrat.get("data_paralel")
+  message = str(info.value)
+  assert "'data_paralel'" in message
+  assert "data_parallel, hybrid, pipeline" in message
+  assert "Did you mean 'data_parallel'?" in message
+
+
+def test_custom_registration_and_duplicates():
+  @parstrat.register("test_custom")
+  class Custom(parstrat.DataParallel):
+    pass
+
+  try:
+    assert "test_custom" in parstrat.available()
+    assert isinstance(parstrat.get("test_custom", data=2), Custom)
+    with pytest.raises(ValueError, match="already registered as 'test_custom'.*overwrite=True"):
+
+      @parstrat.register("test_custom")
+      class Other(parstrat.DataParallel):
+        pass
+
+    @parstrat.register("test_custom", overwrite=True)
+    class Replacement(parstrat.DataParallel):
+      pass
+
+    assert type(parstrat.get("test_custom")) is Replacement
+  finally:
+    parstrat.unregister("test_custom")
+  assert "test_custom" not in parstrat.available()
+
+
+def test_register_rejects_non_strategies_and_bad_names():
+  with pytest.raises(TypeError, match="subclass of parstrat.Strategy"):
+    parstrat.register("nope")(int)
+  with pytest.raises(ValueError, match="non-empty string"):
+    parstrat.register("")
+  assert "nope" not in parstrat.available()
+
+
+def test_unknown_config_is_a_type_error():
+  with pytest.raises(TypeError, match="stages"):
+    parstrat.get("data_parallel", stages=2)
