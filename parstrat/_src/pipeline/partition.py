@@ -436,7 +436,13 @@ def stage_program(
         invars=[*used, live_in[s]],
         outvars=[live_out[s]],
         eqns=segment,
-        effects=jax.core.no_effects if hasattr(jax.core, "no_effects") else jex.no_effects,
+        effects=jex.no_effects,
+        debug_info=jex.DebugInfo(
+            "parstrat pipeline stage",
+            f"stage {s}",
+            tuple(f"param{i}" for i in range(len(used))) + ("activation",),
+            ("output",),
+        ),
     )
     consts = [trace.consts[const_index[v]] for v in consts_used]
 

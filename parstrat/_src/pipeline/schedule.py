@@ -202,8 +202,8 @@ def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     >>> from parstrat import pipeline
     >>> s = pipeline.build_schedule("1f1b", stages=2, microbatches=3)
     >>> print(s.table())
-    stage 0:  F0  F1  B0  F2  B1   .  B2
-    stage 1:   .  F0  B0  F1  B1  F2  B2
+    stage 0: F0 F1  . B0 F2 B1  . B2
+    stage 1:  . F0 B0 F1 B1 F2 B2  .
   """
   if name not in ORDERS:
     raise ValueError(f"Unknown schedule {name!r}; choose one of {sorted(ORDERS)}.")

@@ -1,0 +1,203 @@
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import DEEP_MLP, SEED_MLP, mlp
+
+import parstrat
+import parstrat.testing
+from parstrat import pipeline
+
+
+def _abstract(model, features=784):
+  x = jax.ShapeDtypeStruct((1, features), jnp.float32)
+  return jax.eval_shape(model.init, jax.random.key(0), x), x
+
+
+def _apply(model):
+  return lambda params, x: model.apply(params, None, x)
+
+
+# ------------------------------------------------------------------ partition
+def test_seed_mlp_on_two_stages():
+  params, x = _abstract(SEED_MLP)
+  plan = pipeline.plan_stages(_apply(SEED_MLP), params, x, 2)
+  assert [[plan.layers[i].name for i in g] for g in plan.stage_layers] == [
+      ["mlp/~/linear_0"],
+      ["mlp/~/linear_1"],
+  ]
+  assert plan.stage_params() == [784 * 512 + 512, 512 * 10 + 10]
+  assert plan.stage_flops()[0] > plan.stage_flops()[1]
+  text = str(plan)
+  assert "2 stages, cut by balanced params" in text and "401,920" in text
+
+
+@pytest.mark.parametrize("stages, k", [(4, 3), (8, 7), (4, 6)])
+def test_uniform_hidden_layers_balance_and_padding_is_bounded(stages, k):
+  model = mlp([512] * k + [10])
+  params, x = _abstract(model)
+  plan = pipeline.plan_stages(_apply(model), params, x, stages)
+  assert plan.num_stages == stages
+  assert all(plan.stage_layers)
+  trainer = parstrat.PipelineModelParallel(stages=stages)(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), np.zeros((1, 784), np.float32))
+  per_device = state.params.addressable_shards[0].data.size
+  assert per_device == max(plan.stage_params())
+  assert per_device <= 1.25 * max(plan.stage_params())
+
+
+def test_balance_by_flops_and_manual_cuts():
+  params, x = _abstract(DEEP_MLP)
+  by_flops = pipeline.plan_stages(_apply(DEEP_MLP), params, x, 4, balance="flops")
+  assert by_flops.balance == "balanced flops"
+  # The first layer (784 x 96) dominates, so the best split gives it a stage alone.
+  assert by_flops.stage_layers[0] == (0,)
+  assert max(by_flops.stage_flops()) == by_flops.layers[0].flops
+  manual = pipeline.plan_stages(_apply(DEEP_MLP), params, x, 3, cuts=(1, 7))
+  assert manual.stage_layers == ((0,), tuple(range(1, 7)), (7,))
+
+
+def test_stage_boundary_markers():
+  def net(x):
+    x = jax.nn.swish(hk.Linear(64)(x))
+    x = jax.nn.swish(hk.Linear(32)(x))
+    x = pipeline.stage_boundary(x)
+    return hk.Linear(10)(x)
+
+  model = hk.transform(net)
+  params, x = _abstract(model)
+  plan = pipeline.plan_stages(_apply(model), params, x, 2)
+  assert plan.balance == "markers" and plan.stage_layers == ((0, 1), (2,))
+  with pytest.raises(ValueError, match="1 stage_boundary marker.*2 stages, but stages=3"):
+    pipeline.plan_stages(_apply(model), params, x, 3)
+  parstrat.testing.check_strategy(
+      parstrat.PipelineModelParallel(stages=2, microbatches=2), model, steps=3, batch=16
+  )
+
+
+def test_errors_name_the_problem():
+  params, x = _abstract(SEED_MLP)
+  with pytest.raises(ValueError, match=r"stages=3 exceeds the model's 2 layers \(mlp/~/linear_0, mlp/~/linear_1\)"):
+    pipeline.plan_stages(_apply(SEED_MLP), params, x, 3)
+  with pytest.raises(ValueError, match=r"cuts must be 1 increasing layer indices in 1..1 .*got \(2,\)"):
+    pipeline.plan_stages(_apply(SEED_MLP), params, x, 2, cuts=(2,))
+
+  def residual(x):
+    h = jax.nn.swish(hk.Linear(64, name="inp")(x))
+    y = jax.nn.swish(hk.Linear(64, name="mid1")(h))
+    y = jax.nn.swish(hk.Linear(64, name="mid2")(y))
+    return hk.Linear(10, name="out")(y + h)
+
+  model = hk.transform(residual)
+  params, x = _abstract(model)
+  with pytest.raises(
+      ValueError,
+      match=r"cannot be cut into 4 stages: only 2 of its 3 layer boundaries.*"
+      r"between layers 'mid1' and 'mid2' .*2 or more values are live",
+  ):
+    pipeline.plan_stages(_apply(model), params, x, 4)
+  with pytest.raises(ValueError, match=r"Cannot cut before layer 2: between layers 'mid1' and 'mid2'"):
+    pipeline.plan_stages(_apply(model), params, x, 2, cuts=(2,))
+  # The skip spans mid1 and mid2 only, so three stages cut around them.
+  plan = pipeline.plan_stages(_apply(model), params, x, 3)
+  assert plan.stage_layers == ((0,), (1, 2), (3,))
+  parstrat.testing.check_strategy(
+      parstrat.PipelineModelParallel(stages=3, microbatches=2), model, [optax.sgd(0.1)],
+      steps=3, batch=8,
+  )
+
+
+def test_microbatches_must_divide_the_batch():
+  trainer = parstrat.PipelineModelParallel(stages=2, microbatches=4)(SEED_MLP, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with pytest.raises(ValueError, match=r"positive multiple of 4 .*x 4 microbatches\), got 6"):
+    trainer.step(state, (images[0][:6], labels[0][:6]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(stages=0), ValueError, "stages must be a positive integer, got 0"),
+        (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
+        (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
+        (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
+    ],
+)
+def test_bad_configs(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    parstrat.PipelineModelParallel(**kwargs)(SEED_MLP, optax.sgd(0.1))
+
+
+# ---------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_seed_mlp_matches_jit(schedule, microbatches):
+  strategy = parstrat.PipelineModelParallel(stages=2, microbatches=microbatches, schedule=schedule)
+  parstrat.testing.check_strategy(strategy, SEED_MLP, steps=20, batch=32)
+
+
+DEEP_CASES = [(p, m, s) for p in (2, 4, 8) for m in (1, p, 2 * p) for s in ("gpipe", "1f1b")]
+
+
+@pytest.mark.parametrize("stages, microbatches, schedule", DEEP_CASES)
+def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
+  # SGD on every case (a wrong gradient scale shows); Adam on the 2P cases.
+  optimizers = [optax.sgd(0.1)]
+  if microbatches == 2 * stages:
+    optimizers.append(optax.adam(1e-3))
+  strategy = parstrat.PipelineModelParallel(
+      stages=stages, microbatches=microbatches, schedule=schedule
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=20, batch=32)
+
+
+# ------------------------------------------------------------------ placement
+def test_each_device_holds_only_its_stage():
+  trainer = parstrat.PipelineModelParallel(stages=4, microbatches=4)(DEEP_MLP, optax.adam(1e-3))
+  images, labels = parstrat.testing.random_batches(2, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  state, _ = trainer.step(state, (images[0], labels[0]))
+  layout_rows = np.asarray(jax.device_get(state.params))
+  stage_of = {d: i for i, d in enumerate(trainer.mesh.devices.flat)}
+  for leaf in [state.params, *jax.tree.leaves(state.opt_state)]:
+    if leaf.ndim == 0:
+      continue
+    assert leaf.shape[0] == 4
+    for shard in leaf.addressable_shards:
+      assert shard.data.shape == (1, leaf.shape[1])
+      assert shard.index[0] == slice(stage_of[shard.device], stage_of[shard.device] + 1)
+  # Each stage's row holds exactly its own layers' params (then zero padding).
+  params = trainer.params(state)
+  plan = pipeline.plan_stages(
+      _apply(DEEP_MLP), params, jax.ShapeDtypeStruct((1, 784), jnp.float32), 4
+  )
+  names = [layer.name for layer in plan.layers]
+  for s, group in enumerate(plan.stage_layers):
+    own = np.concatenate(
+        [np.asarray(params[names[i]][k]).reshape(-1) for i in group for k in ("b", "w")]
+    )
+    np.testing.assert_array_equal(layout_rows[s, : own.size], own)
+    assert not np.any(layout_rows[s, own.size :])
+
+
+def test_nan_bubbles_never_leak():
+  for schedule in ("gpipe", "1f1b"):
+    strategy = parstrat.PipelineModelParallel(
+        stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
+    )
+    reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, steps=3, batch=24)
+    assert all(np.isfinite(r.losses).all() for r in reports)
+
+
+def test_apply_matches_the_model():
+  trainer = parstrat.PipelineModelParallel(stages=8, microbatches=2)(DEEP_MLP, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  np.testing.assert_allclose(
+      trainer.apply(state, images[0]),
+      DEEP_MLP.apply(trainer.params(state), None, images[0]),
+      atol=1e-6,
+  )
