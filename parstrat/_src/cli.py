@@ -79,8 +79,8 @@ def _setup_devices(count: int) -> None:
 
   try:
     jax.config.update("jax_num_cpu_devices", count)
-  except RuntimeError as e:  # backend already running: keep what it has
-    print(f"warning: could not set {count} CPU devices ({e})", file=sys.stderr)
+  except RuntimeError:
+    pass  # the backend already runs (parstrat called from Python): use its devices
 
 
 def _strategy_config(args: argparse.Namespace) -> dict:
@@ -122,15 +122,21 @@ def train(args: argparse.Namespace) -> dict:
   devices = devices[: args.devices]
   try:
     strategy = parstrat.get(args.strategy, devices=devices, **_strategy_config(args))
-  except (KeyError, TypeError, ValueError) as e:
-    raise UsageError(str(e).strip("'\"")) from None
+    strategy.make_mesh()  # fail on an impossible mesh before loading any data
+  except KeyError as e:
+    raise UsageError(e.args[0]) from None
+  except (TypeError, ValueError) as e:
+    raise UsageError(str(e)) from None
 
   widths = [*args.hidden, 10]
   model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
   data = datasets.load_mnist(args.source, data_dir=args.data_dir)
   print(f"data: {data}")
-  trainer = strategy(model, optax.adam(args.lr))
-  state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
+  try:
+    trainer = strategy(model, optax.adam(args.lr))
+    state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
+  except (TypeError, ValueError) as e:
+    raise UsageError(str(e)) from None
   print(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
   if trainer.plan.description:
     print(trainer.plan.description)

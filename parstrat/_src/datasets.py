@@ -90,9 +90,7 @@ def load_sample() -> Dataset:
 
 
 def _split_arrays(source) -> tuple[np.ndarray, np.ndarray]:
-  indices = list(range(len(source)))
-  getitems = getattr(source, "__getitems__", None)
-  records = getitems(indices) if getitems else [source[i] for i in indices]
+  records = [source[i] for i in range(len(source))]
   images = np.stack([np.asarray(r["image"]) for r in records])
   labels = np.asarray([r["label"] for r in records], np.int32)
   return preprocess(images), labels

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -104,7 +105,16 @@ def get(name: str, /, **config: Any):
     >>> parstrat.get("data_parallel", data=2)
     DataParallel(data=2)
   """
-  return lookup(name)(**config)
+  cls = lookup(name)
+  if dataclasses.is_dataclass(cls):
+    options = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(config) - set(options))
+    if unknown:
+      raise TypeError(
+          f"Strategy {name!r} has no option {', '.join(map(repr, unknown))}; "
+          f"its options are {', '.join(options)}."
+      )
+  return cls(**config)
 
 
 def _unknown_name_message(name: object) -> str:

@@ -1,0 +1,67 @@
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import DEEP_MLP
+
+import parstrat
+import parstrat.testing
+
+
+@pytest.mark.parametrize("data, stages", [(2, 4), (4, 2), (8, 1), (1, 8)])
+def test_matches_single_device_jit(data, stages):
+  strategy = parstrat.Hybrid(data=data, stages=stages, microbatches=2)
+  reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, steps=20, batch=32)
+  assert [r.optimizer for r in reports] == ["sgd", "adam"]
+
+
+def test_stage_replicas_are_identical_and_each_device_holds_one_stage():
+  trainer = parstrat.Hybrid(data=2, stages=4, microbatches=2)(DEEP_MLP, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(3, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  for x, y in zip(images, labels, strict=True):
+    state, _ = trainer.step(state, (x, y))
+  parstrat.checks.assert_replicas_equal(state)
+  mesh = trainer.mesh
+  assert dict(mesh.shape) == {"data": 2, "stage": 4}
+  for d_index, row in enumerate(mesh.devices):
+    for s_index, device in enumerate(row):
+      (shard,) = [s for s in state.params.addressable_shards if s.device == device]
+      assert shard.index[0] == slice(s_index, s_index + 1), (d_index, s_index)
+  logits = trainer.apply(state, images[0])
+  # The batch is split over "data" only: each replica's block is 8 examples.
+  assert {s.data.shape for s in logits.addressable_shards} == {(8, 10)}
+
+
+def test_data_and_pipeline_are_special_cases():
+  """Hybrid(data=D, stages=1) trains like DataParallel, Hybrid(data=1) like the pipeline."""
+  images, labels = parstrat.testing.random_batches(3, 16)
+
+  def losses(strategy):
+    trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+    state = trainer.init(jax.random.key(0), images[0][:1])
+    out = []
+    for x, y in zip(images, labels, strict=True):
+      state, metrics = trainer.step(state, (x, y))
+      out.append(float(metrics["loss"]))
+    return out
+
+  np.testing.assert_allclose(
+      losses(parstrat.Hybrid(data=4, stages=1)), losses(parstrat.DataParallel(data=4)), rtol=1e-6
+  )
+  np.testing.assert_allclose(
+      losses(parstrat.Hybrid(data=1, stages=4, microbatches=2)),
+      losses(parstrat.PipelineModelParallel(stages=4, microbatches=2)),
+      rtol=1e-6,
+  )
+
+
+def test_default_split_uses_every_device():
+  strategy = parstrat.Hybrid()
+  assert dict(strategy.make_mesh().shape) == {"data": 4, "stage": 2}
+  assert dict(parstrat.Hybrid(data=2).make_mesh().shape) == {"data": 2, "stage": 4}
+  assert dict(parstrat.Hybrid(stages=8).make_mesh().shape) == {"data": 1, "stage": 8}
+  with pytest.raises(ValueError, match="data=3 does not divide the 8 available devices"):
+    parstrat.Hybrid(data=3).make_mesh()
+  with pytest.raises(ValueError, match="data=4 x stage=4 needs 16 devices, but only 8"):
+    parstrat.Hybrid(data=4, stages=4).make_mesh()

@@ -1,0 +1,166 @@
+"""The conformance kit catches broken strategies, and passes the real ones."""
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import parstrat
+import parstrat.testing
+from parstrat._src.strategy import Trainer
+
+
+def _dp_plan(model, loss_fn, axes, reduce, check_vma=True):
+  """A data-parallel plan whose gradient reduction is `reduce(loss, grads)`."""
+
+  def loss_and_grad(params, images, labels):
+    local = lax.pcast(params, axes, to="varying") if check_vma else params
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, images), labels))(local)
+    return reduce(loss, grads)
+
+  return parstrat.Plan(
+      param_spec=P(),
+      batch_spec=P(axes),
+      to_stored=lambda p: p,
+      to_params=lambda p: p,
+      loss_and_grad=loss_and_grad,
+      forward=lambda params, x: model.apply(params, None, x),
+      check_vma=check_vma,
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class SumsGradients(parstrat.Strategy):
+  """Sums gradients over "data" instead of averaging them."""
+
+  def make_mesh(self):
+    return parstrat.build_mesh({"data": 4}, self.devices)
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    return _dp_plan(
+        model, loss_fn, "data", lambda l, g: (lax.pmean(l, "data"), lax.psum(g, "data"))
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class ForgetsAnAxis(parstrat.Strategy):
+  """A 2 x 4 mesh whose gradients are averaged over "host" only."""
+
+  def make_mesh(self):
+    return parstrat.build_mesh({"host": 2, "local": 4}, self.devices)
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    return _dp_plan(
+        model,
+        loss_fn,
+        ("host", "local"),
+        lambda l, g: (lax.pmean(l, ("host", "local")), lax.pmean(g, "host")),
+        check_vma=False,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class LetsReplicasDrift(parstrat.Strategy):
+  """Averages correctly, then adds a little device-dependent noise."""
+
+  def make_mesh(self):
+    return parstrat.build_mesh({"data": 4}, self.devices)
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    def reduce(loss, grads):
+      noise = 1e-4 * lax.axis_index("data").astype("float32")
+      grads = jax.tree.map(lambda g: lax.pmean(g, "data") + noise, grads)
+      return lax.pmean(loss, "data"), grads
+
+    return _dp_plan(model, loss_fn, "data", reduce, check_vma=False)
+
+
+class RecompilingTrainer(Trainer):
+  def step(self, state, batch):
+    self.__dict__.pop("_compiled_step", None)  # builds a fresh program every step
+    return super().step(state, batch)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class RecompilesEveryStep(parstrat.Strategy):
+  def make_mesh(self):
+    return parstrat.DataParallel(data=4, devices=self.devices).make_mesh()
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    return parstrat.DataParallel(data=4).make_plan(
+        model, loss_fn, mesh, sample_params, sample_inputs
+    )
+
+  def __call__(self, model, optimizer, *, loss_fn=None):
+    return RecompilingTrainer(self, model, optimizer, loss_fn=loss_fn)
+
+
+KIT = dict(steps=3, batch=16)
+
+
+def test_catches_summed_gradients():
+  with pytest.raises(AssertionError, match=r"with sgd does not match .*loss differs from step 2"):
+    parstrat.testing.check_strategy(SumsGradients(), **KIT)
+
+
+def test_catches_an_axis_left_out_of_the_average():
+  with pytest.raises(AssertionError, match=r"after step 1: Replicas of .* differ"):
+    parstrat.testing.check_strategy(ForgetsAnAxis(), **KIT)
+
+
+def test_catches_replicas_that_drift():
+  with pytest.raises(AssertionError, match=r"LetsReplicasDrift\(\) with sgd: after step 1: Replicas"):
+    parstrat.testing.check_strategy(LetsReplicasDrift(), **KIT)
+
+
+def test_catches_a_recompile_every_step():
+  with pytest.raises(AssertionError, match=r"2 compilation\(s\) after the first step"):
+    parstrat.testing.check_strategy(RecompilesEveryStep(), **KIT)
+
+
+def test_vma_checking_rejects_a_missing_reduction_at_trace_time():
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class NoReduction(parstrat.Strategy):
+    def make_mesh(self):
+      return parstrat.build_mesh({"data": 2}, self.devices)
+
+    def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+      return _dp_plan(model, loss_fn, "data", lambda l, g: (lax.pmean(l, "data"), g))
+
+  with pytest.raises(AssertionError, match="NoReduction\\(\\) with sgd failed to train"):
+    parstrat.testing.check_strategy(NoReduction(), **KIT)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["data_parallel", parstrat.PipelineModelParallel(stages=2, microbatches=2), parstrat.Hybrid(data=4, stages=2)],
+)
+def test_passes_builtin_strategies(strategy):
+  reports = parstrat.testing.check_strategy(strategy, **KIT)
+  assert all(r.max_loss_diff < 1e-5 for r in reports)
+
+
+def test_use_cpu_devices_fails_loudly_on_a_mismatch():
+  parstrat.testing.use_cpu_devices(8)  # already 8 here: fine
+  with pytest.raises(RuntimeError, match="already started with 8 CPU device"):
+    parstrat.testing.use_cpu_devices(4)
+
+
+def test_use_cpu_devices_in_a_fresh_process():
+  code = textwrap.dedent(
+      """
+      import parstrat.testing
+      parstrat.testing.use_cpu_devices(3)
+      import jax
+      print(len(jax.devices()))
+      """
+  )
+  out = subprocess.run(
+      [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+  )
+  assert out.stdout.strip() == "3"
