@@ -54,13 +54,13 @@ class TwoLevelDataParallel(parstrat.Strategy):
       return lax.pmean((loss, grads), AXES)
 
     return parstrat.Plan(
-        param_spec=P(),
-        batch_spec=P(AXES),  # the batch's leading axis split over both mesh axes
-        to_stored=lambda params: params,
-        to_params=lambda stored: stored,
-        loss_and_grad=loss_and_grad,
-        forward=lambda params, images: model.apply(params, None, images),
-        description="params replicated; batch split over ('host', 'local')",
+      param_spec=P(),
+      batch_spec=P(AXES),  # the batch's leading axis split over both mesh axes
+      to_stored=lambda params: params,
+      to_params=lambda stored: stored,
+      loss_and_grad=loss_and_grad,
+      forward=lambda params, images: model.apply(params, None, images),
+      description="params replicated; batch split over ('host', 'local')",
     )
 
 
@@ -72,7 +72,7 @@ def main(epochs: int = 1, batch_size: int = 256) -> float:
   print(f"mesh: {dict(trainer.mesh.shape)}")
   for epoch in range(epochs):
     for images, labels in batches(
-        data.train_images, data.train_labels, batch_size, seed=0, epoch=epoch
+      data.train_images, data.train_labels, batch_size, seed=0, epoch=epoch
     ):
       state, metrics = trainer.step(state, (images, labels))
     print(f"epoch {epoch + 1}: loss {float(metrics['loss']):.4f}")

@@ -1,4 +1,3 @@
-import json
 import os
 import subprocess
 import sys
@@ -12,24 +11,33 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 def _run(*args, timeout=300):
   return subprocess.run(
-      [sys.executable, "-m", "parstrat", *args],
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      env=ENV,
+    [sys.executable, "-m", "parstrat", *args],
+    capture_output=True,
+      check=False,
+    text=True,
+    timeout=timeout,
+    env=ENV,
   )
 
 
 def test_train_end_to_end_on_the_sample():
   out = _run(
-      "train", "--strategy", "data_parallel", "--epochs", "2", "--batch-size", "400",
-      "--source", "sample", "--no-progress",
+    "train",
+    "--strategy",
+    "data_parallel",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "400",
+    "--source",
+    "sample",
+    "--no-progress",
   )
   assert out.returncode == 0, out.stderr
   lines = out.stdout.splitlines()
   assert "data: Dataset(sample: 8000 train, 2000 eval)" in lines
   assert any(line.startswith("epoch 2: loss") for line in lines)
-  accuracy = next(float(l.split()[2]) for l in lines if l.startswith("eval accuracy:"))
+  accuracy = next(float(x.split()[2]) for x in lines if x.startswith("eval accuracy:"))
   assert accuracy > 0.85
   assert "mesh: {'data': 8}" in lines
   assert any("examples/s" in line for line in lines)
@@ -37,8 +45,20 @@ def test_train_end_to_end_on_the_sample():
 
 def test_train_pipeline_prints_its_plan():
   out = _run(
-      "train", "--strategy", "pipeline", "--stages", "2", "--microbatches", "4", "--epochs", "1",
-      "--batch-size", "1000", "--source", "sample", "--no-progress",
+    "train",
+    "--strategy",
+    "pipeline",
+    "--stages",
+    "2",
+    "--microbatches",
+    "4",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "1000",
+    "--source",
+    "sample",
+    "--no-progress",
   )
   assert out.returncode == 0, out.stderr
   assert "pipeline plan: 2 stages, cut by balanced params" in out.stdout
@@ -47,21 +67,26 @@ def test_train_pipeline_prints_its_plan():
 
 def test_schedule_draws_a_png(tmp_path):
   png = tmp_path / "schedule.png"
-  out = _run("schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png))
+  out = _run(
+    "schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)
+  )
   assert out.returncode == 0, out.stderr
   assert "bubble fraction: 0.2727 measured, 0.2727 theory (P-1)/(M+P-1)" in out.stdout
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize(
-    "args, message",
-    [
-        (["train", "--strategy", "nope"], "Unknown strategy 'nope'"),
-        (["train", "--devices", "16"], "--devices 16: only 8 devices are available"),
-        (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
-        (["train", "--strategy", "data_parallel", "--stages", "2"], "Strategy 'data_parallel' has no option 'stages'; its options are devices, debug, data."),
-        (["schedule", "--stages", "2", "--microbatches", "2", "--schedule", "1f1b"], None),
-    ],
+  "args, message",
+  [
+    (["train", "--strategy", "nope"], "Unknown strategy 'nope'"),
+    (["train", "--devices", "16"], "--devices 16: only 8 devices are available"),
+    (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
+    (
+      ["train", "--strategy", "data_parallel", "--stages", "2"],
+      "Strategy 'data_parallel' has no option 'stages'; its options are devices, debug, data.",
+    ),
+    (["schedule", "--stages", "2", "--microbatches", "2", "--schedule", "1f1b"], None),
+  ],
 )
 def test_errors_are_one_line_with_exit_code_2(args, message, capsys):
   code = cli.main(args)
@@ -73,7 +98,9 @@ def test_errors_are_one_line_with_exit_code_2(args, message, capsys):
   assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("args", [["train", "--epochs", "0"], ["train", "--lr", "-1"], ["train", "--batch-size", "x"]])
+@pytest.mark.parametrize(
+  "args", [["train", "--epochs", "0"], ["train", "--lr", "-1"], ["train", "--batch-size", "x"]]
+)
 def test_argument_errors_exit_2(args, capsys):
   with pytest.raises(SystemExit) as info:
     cli.main(args)

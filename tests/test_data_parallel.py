@@ -13,7 +13,7 @@ import parstrat.testing
 @pytest.mark.parametrize("data", [1, 2, 4, 8])
 def test_matches_single_device_jit_with_sgd_and_adam(data):
   reports = parstrat.testing.check_strategy(
-      parstrat.DataParallel(data=data), SEED_MLP, steps=20, batch=64
+    parstrat.DataParallel(data=data), SEED_MLP, steps=20, batch=64
   )
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
   for report in reports:
@@ -47,10 +47,10 @@ def test_apply_and_params_match_the_plain_model():
   trainer, state, images = _trained()
   params = trainer.params(state)
   assert jax.tree.structure(params) == jax.tree.structure(
-      SEED_MLP.init(jax.random.key(0), images[0][:1])
+    SEED_MLP.init(jax.random.key(0), images[0][:1])
   )
   np.testing.assert_allclose(
-      trainer.apply(state, images[0]), SEED_MLP.apply(params, None, images[0]), atol=1e-5
+    trainer.apply(state, images[0]), SEED_MLP.apply(params, None, images[0]), atol=1e-5
   )
 
 
@@ -61,12 +61,17 @@ def test_corrupted_replica_is_caught():
   shards[3] = shards[3].copy()
   shards[3][0, 0] += 1e-3
   bad = jax.make_array_from_single_device_arrays(
-      w.shape,
-      w.sharding,
-      [jax.device_put(a, s.device) for a, s in zip(shards, w.addressable_shards, strict=True)],
+    w.shape,
+    w.sharding,
+    [jax.device_put(a, s.device) for a, s in zip(shards, w.addressable_shards, strict=True)],
   )
-  corrupted = state._replace(params={**state.params, "mlp/~/linear_0": {"b": state.params["mlp/~/linear_0"]["b"], "w": bad}})
-  with pytest.raises(AssertionError, match=r"Replicas of .*linear_0.*\['w'\] differ.*TFRT_CPU_3|Replicas of .*linear_0.*w.* differ"):
+  corrupted = state._replace(
+    params={**state.params, "mlp/~/linear_0": {"b": state.params["mlp/~/linear_0"]["b"], "w": bad}}
+  )
+  with pytest.raises(
+    AssertionError,
+    match=r"Replicas of .*linear_0.*\['w'\] differ.*TFRT_CPU_3|Replicas of .*linear_0.*w.* differ",
+  ):
     parstrat.checks.assert_replicas_equal(corrupted)
   parstrat.checks.assert_replicas_equal(corrupted, atol=2e-3)
 
@@ -98,7 +103,6 @@ def setup():
 
 
 class TestBadInput:
-
   def test_batch_not_divisible_by_data_axis(self, setup):
     trainer, state, x, y = setup
     with pytest.raises(ValueError, match=r"positive multiple of 8 .*got 12"):

@@ -17,7 +17,16 @@ def test_sample_matches_its_readme(sample):
   assert hashlib.md5(images).hexdigest() == "2646ac647ad5339dbf082846283269ea"
   all_labels = np.concatenate([sample.train_labels, sample.eval_labels])
   assert np.bincount(all_labels, minlength=10).tolist() == [
-      980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009
+    980,
+    1135,
+    1032,
+    1010,
+    982,
+    892,
+    958,
+    1028,
+    974,
+    1009,
   ]
   assert all_labels[:10].tolist() == [7, 2, 1, 0, 4, 1, 4, 9, 5, 9]
   all_images = np.concatenate([sample.train_images, sample.eval_images])

@@ -47,12 +47,12 @@ def test_data_and_pipeline_are_special_cases():
     return out
 
   np.testing.assert_allclose(
-      losses(parstrat.Hybrid(data=4, stages=1)), losses(parstrat.DataParallel(data=4)), rtol=1e-6
+    losses(parstrat.Hybrid(data=4, stages=1)), losses(parstrat.DataParallel(data=4)), rtol=1e-6
   )
   np.testing.assert_allclose(
-      losses(parstrat.Hybrid(data=1, stages=4, microbatches=2)),
-      losses(parstrat.PipelineModelParallel(stages=4, microbatches=2)),
-      rtol=1e-6,
+    losses(parstrat.Hybrid(data=1, stages=4, microbatches=2)),
+    losses(parstrat.PipelineModelParallel(stages=4, microbatches=2)),
+    rtol=1e-6,
   )
 
 

@@ -25,8 +25,8 @@ def test_seed_mlp_on_two_stages():
   params, x = _abstract(SEED_MLP)
   plan = pipeline.plan_stages(_apply(SEED_MLP), params, x, 2)
   assert [[plan.layers[i].name for i in g] for g in plan.stage_layers] == [
-      ["mlp/~/linear_0"],
-      ["mlp/~/linear_1"],
+    ["mlp/~/linear_0"],
+    ["mlp/~/linear_1"],
   ]
   assert plan.stage_params() == [784 * 512 + 512, 512 * 10 + 10]
   assert plan.stage_flops()[0] > plan.stage_flops()[1]
@@ -73,15 +73,19 @@ def test_stage_boundary_markers():
   with pytest.raises(ValueError, match="1 stage_boundary marker.*2 stages, but stages=3"):
     pipeline.plan_stages(_apply(model), params, x, 3)
   parstrat.testing.check_strategy(
-      parstrat.PipelineModelParallel(stages=2, microbatches=2), model, steps=3, batch=16
+    parstrat.PipelineModelParallel(stages=2, microbatches=2), model, steps=3, batch=16
   )
 
 
 def test_errors_name_the_problem():
   params, x = _abstract(SEED_MLP)
-  with pytest.raises(ValueError, match=r"stages=3 exceeds the model's 2 layers \(mlp/~/linear_0, mlp/~/linear_1\)"):
+  with pytest.raises(
+    ValueError, match=r"stages=3 exceeds the model's 2 layers \(mlp/~/linear_0, mlp/~/linear_1\)"
+  ):
     pipeline.plan_stages(_apply(SEED_MLP), params, x, 3)
-  with pytest.raises(ValueError, match=r"cuts must be 1 increasing layer indices in 1..1 .*got \(2,\)"):
+  with pytest.raises(
+    ValueError, match=r"cuts must be 1 increasing layer indices in 1..1 .*got \(2,\)"
+  ):
     pipeline.plan_stages(_apply(SEED_MLP), params, x, 2, cuts=(2,))
 
   def residual(x):
@@ -93,19 +97,24 @@ def test_errors_name_the_problem():
   model = hk.transform(residual)
   params, x = _abstract(model)
   with pytest.raises(
-      ValueError,
-      match=r"cannot be cut into 4 stages: only 2 of its 3 layer boundaries.*"
-      r"between layers 'mid1' and 'mid2' .*2 or more values are live",
+    ValueError,
+    match=r"cannot be cut into 4 stages: only 2 of its 3 layer boundaries.*"
+    r"between layers 'mid1' and 'mid2' .*2 or more values are live",
   ):
     pipeline.plan_stages(_apply(model), params, x, 4)
-  with pytest.raises(ValueError, match=r"Cannot cut before layer 2: between layers 'mid1' and 'mid2'"):
+  with pytest.raises(
+    ValueError, match=r"Cannot cut before layer 2: between layers 'mid1' and 'mid2'"
+  ):
     pipeline.plan_stages(_apply(model), params, x, 2, cuts=(2,))
   # The skip spans mid1 and mid2 only, so three stages cut around them.
   plan = pipeline.plan_stages(_apply(model), params, x, 3)
   assert plan.stage_layers == ((0,), (1, 2), (3,))
   parstrat.testing.check_strategy(
-      parstrat.PipelineModelParallel(stages=3, microbatches=2), model, [optax.sgd(0.1)],
-      steps=3, batch=8,
+    parstrat.PipelineModelParallel(stages=3, microbatches=2),
+    model,
+    [optax.sgd(0.1)],
+    steps=3,
+    batch=8,
   )
 
 
@@ -118,13 +127,13 @@ def test_microbatches_must_divide_the_batch():
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        (dict(stages=0), ValueError, "stages must be a positive integer, got 0"),
-        (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
-        (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
-        (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
-    ],
+  "kwargs, error, message",
+  [
+    (dict(stages=0), ValueError, "stages must be a positive integer, got 0"),
+    (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
+    (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
+    (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
+  ],
 )
 def test_bad_configs(kwargs, error, message):
   with pytest.raises(error, match=message):
@@ -149,7 +158,7 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
   if microbatches == 2 * stages:
     optimizers.append(optax.adam(1e-3))
   strategy = parstrat.PipelineModelParallel(
-      stages=stages, microbatches=microbatches, schedule=schedule
+    stages=stages, microbatches=microbatches, schedule=schedule
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=20, batch=32)
 
@@ -172,12 +181,12 @@ def test_each_device_holds_only_its_stage():
   # Each stage's row holds exactly its own layers' params (then zero padding).
   params = trainer.params(state)
   plan = pipeline.plan_stages(
-      _apply(DEEP_MLP), params, jax.ShapeDtypeStruct((1, 784), jnp.float32), 4
+    _apply(DEEP_MLP), params, jax.ShapeDtypeStruct((1, 784), jnp.float32), 4
   )
   names = [layer.name for layer in plan.layers]
   for s, group in enumerate(plan.stage_layers):
     own = np.concatenate(
-        [np.asarray(params[names[i]][k]).reshape(-1) for i in group for k in ("b", "w")]
+      [np.asarray(params[names[i]][k]).reshape(-1) for i in group for k in ("b", "w")]
     )
     np.testing.assert_array_equal(layout_rows[s, : own.size], own)
     assert not np.any(layout_rows[s, own.size :])
@@ -186,7 +195,7 @@ def test_each_device_holds_only_its_stage():
 def test_nan_bubbles_never_leak():
   for schedule in ("gpipe", "1f1b"):
     strategy = parstrat.PipelineModelParallel(
-        stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
+      stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
     )
     reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, steps=3, batch=24)
     assert all(np.isfinite(r.losses).all() for r in reports)
@@ -197,7 +206,7 @@ def test_apply_matches_the_model():
   images, labels = parstrat.testing.random_batches(1, 16)
   state = trainer.init(jax.random.key(0), images[0][:1])
   np.testing.assert_allclose(
-      trainer.apply(state, images[0]),
-      DEEP_MLP.apply(trainer.params(state), None, images[0]),
-      atol=1e-6,
+    trainer.apply(state, images[0]),
+    DEEP_MLP.apply(trainer.params(state), None, images[0]),
+    atol=1e-6,
   )

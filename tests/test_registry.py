@@ -56,5 +56,7 @@ def test_register_rejects_non_strategies_and_bad_names():
 
 
 def test_unknown_config_is_a_type_error():
-  with pytest.raises(TypeError, match="'data_parallel' has no option 'stages'; its options are devices, debug, data"):
+  with pytest.raises(
+    TypeError, match="'data_parallel' has no option 'stages'; its options are devices, debug, data"
+  ):
     parstrat.get("data_parallel", stages=2)

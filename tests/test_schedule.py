@@ -41,9 +41,9 @@ def _simulate_messages(schedule):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    name=st.sampled_from(SCHEDULES),
-    stages=st.integers(1, 12),
-    microbatches=st.integers(1, 24),
+  name=st.sampled_from(SCHEDULES),
+  stages=st.integers(1, 12),
+  microbatches=st.integers(1, 24),
 )
 def test_tables_obey_dependencies_and_buffers_deliver(name, stages, microbatches):
   schedule = pipeline.build_schedule(name, stages, microbatches)
@@ -51,7 +51,7 @@ def test_tables_obey_dependencies_and_buffers_deliver(name, stages, microbatches
   _simulate_messages(schedule)
   assert schedule.num_ticks == 2 * (microbatches + stages - 1)
   assert schedule.bubble_fraction() == pytest.approx(
-      pipeline.theoretical_bubble(stages, microbatches)
+    pipeline.theoretical_bubble(stages, microbatches)
   )
 
 
@@ -81,18 +81,21 @@ def test_check_schedule_catches_a_broken_table():
 def test_text_table():
   schedule = pipeline.build_schedule("1f1b", 2, 3)
   assert schedule.table().splitlines() == [
-      "stage 0: F0 F1  . B0 F2 B1  . B2",
-      "stage 1:  . F0 B0 F1 B1 F2 B2  .",
+    "stage 0: F0 F1  . B0 F2 B1  . B2",
+    "stage 1:  . F0 B0 F1 B1 F2 B2  .",
   ]
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(name="zigzag", stages=2, microbatches=2), "Unknown schedule 'zigzag'"),
-        (dict(name="gpipe", stages=0, microbatches=2), "stages must be a positive integer, got 0"),
-        (dict(name="1f1b", stages=2, microbatches=-1), "microbatches must be a positive integer, got -1"),
-    ],
+  "kwargs, message",
+  [
+    (dict(name="zigzag", stages=2, microbatches=2), "Unknown schedule 'zigzag'"),
+    (dict(name="gpipe", stages=0, microbatches=2), "stages must be a positive integer, got 0"),
+    (
+      dict(name="1f1b", stages=2, microbatches=-1),
+      "microbatches must be a positive integer, got -1",
+    ),
+  ],
 )
 def test_bad_arguments(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -24,13 +24,13 @@ def _dp_plan(model, loss_fn, axes, reduce, check_vma=True):
     return reduce(loss, grads)
 
   return parstrat.Plan(
-      param_spec=P(),
-      batch_spec=P(axes),
-      to_stored=lambda p: p,
-      to_params=lambda p: p,
-      loss_and_grad=loss_and_grad,
-      forward=lambda params, x: model.apply(params, None, x),
-      check_vma=check_vma,
+    param_spec=P(),
+    batch_spec=P(axes),
+    to_stored=lambda p: p,
+    to_params=lambda p: p,
+    loss_and_grad=loss_and_grad,
+    forward=lambda params, x: model.apply(params, None, x),
+    check_vma=check_vma,
   )
 
 
@@ -43,7 +43,7 @@ class SumsGradients(parstrat.Strategy):
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
     return _dp_plan(
-        model, loss_fn, "data", lambda l, g: (lax.pmean(l, "data"), lax.psum(g, "data"))
+      model, loss_fn, "data", lambda loss, g: (lax.pmean(loss, "data"), lax.psum(g, "data"))
     )
 
 
@@ -56,11 +56,11 @@ class ForgetsAnAxis(parstrat.Strategy):
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
     return _dp_plan(
-        model,
-        loss_fn,
-        ("host", "local"),
-        lambda l, g: (lax.pmean(l, ("host", "local")), lax.pmean(g, "host")),
-        check_vma=False,
+      model,
+      loss_fn,
+      ("host", "local"),
+      lambda loss, g: (lax.pmean(loss, ("host", "local")), lax.pmean(g, "host")),
+      check_vma=False,
     )
 
 
@@ -93,7 +93,7 @@ class RecompilesEveryStep(parstrat.Strategy):
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
     return parstrat.DataParallel(data=4).make_plan(
-        model, loss_fn, mesh, sample_params, sample_inputs
+      model, loss_fn, mesh, sample_params, sample_inputs
     )
 
   def __call__(self, model, optimizer, *, loss_fn=None):
@@ -114,7 +114,9 @@ def test_catches_an_axis_left_out_of_the_average():
 
 
 def test_catches_replicas_that_drift():
-  with pytest.raises(AssertionError, match=r"LetsReplicasDrift\(\) with sgd: after step 1: Replicas"):
+  with pytest.raises(
+    AssertionError, match=r"LetsReplicasDrift\(\) with sgd: after step 1: Replicas"
+  ):
     parstrat.testing.check_strategy(LetsReplicasDrift(), **KIT)
 
 
@@ -130,15 +132,19 @@ def test_vma_checking_rejects_a_missing_reduction_at_trace_time():
       return parstrat.build_mesh({"data": 2}, self.devices)
 
     def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
-      return _dp_plan(model, loss_fn, "data", lambda l, g: (lax.pmean(l, "data"), g))
+      return _dp_plan(model, loss_fn, "data", lambda loss, g: (lax.pmean(loss, "data"), g))
 
   with pytest.raises(AssertionError, match="NoReduction\\(\\) with sgd failed to train"):
     parstrat.testing.check_strategy(NoReduction(), **KIT)
 
 
 @pytest.mark.parametrize(
-    "strategy",
-    ["data_parallel", parstrat.PipelineModelParallel(stages=2, microbatches=2), parstrat.Hybrid(data=4, stages=2)],
+  "strategy",
+  [
+    "data_parallel",
+    parstrat.PipelineModelParallel(stages=2, microbatches=2),
+    parstrat.Hybrid(data=4, stages=2),
+  ],
 )
 def test_passes_builtin_strategies(strategy):
   reports = parstrat.testing.check_strategy(strategy, **KIT)
@@ -153,7 +159,7 @@ def test_use_cpu_devices_fails_loudly_on_a_mismatch():
 
 def test_use_cpu_devices_in_a_fresh_process():
   code = textwrap.dedent(
-      """
+    """
       import parstrat.testing
       parstrat.testing.use_cpu_devices(3)
       import jax
@@ -161,6 +167,6 @@ def test_use_cpu_devices_in_a_fresh_process():
       """
   )
   out = subprocess.run(
-      [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
   )
   assert out.stdout.strip() == "3"

@@ -52,7 +52,7 @@ def assert_replicas_equal(tree: Any, *, atol: float = 0.0) -> None:
         if not same:
           diff = np.max(np.abs(reference.astype(np.float64) - data.astype(np.float64)))
           raise AssertionError(
-              f"Replicas of {jax.tree_util.keystr(path) or 'the value'} differ: block "
-              f"{shards[0].index} on {shards[0].device} and on {other.device} differ by up "
-              f"to {diff:.3g} (atol={atol})."
+            f"Replicas of {jax.tree_util.keystr(path) or 'the value'} differ: block "
+            f"{shards[0].index} on {shards[0].device} and on {other.device} differ by up "
+            f"to {diff:.3g} (atol={atol})."
           )

@@ -36,7 +36,7 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="parstrat", description="Parallelism strategies for Haiku models on JAX."
+    prog="parstrat", description="Parallelism strategies for Haiku models on JAX."
   )
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -47,13 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
   train.add_argument("--seed", type=int, default=0)
   train.add_argument(
-      "--devices",
-      type=_positive,
-      default=DEFAULT_DEVICES,
-      help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
+    "--devices",
+    type=_positive,
+    default=DEFAULT_DEVICES,
+    help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
   )
   train.add_argument(
-      "--hidden", type=_positive, nargs="+", default=[512], help="hidden layer widths"
+    "--hidden", type=_positive, nargs="+", default=[512], help="hidden layer widths"
   )
   train.add_argument("--source", choices=("auto", "tfds", "sample"), default="auto")
   train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
@@ -143,21 +143,21 @@ def train(args: argparse.Namespace) -> dict:
   steps_per_epoch = len(data.train_labels) // args.batch_size
   if steps_per_epoch < 1:
     raise UsageError(
-        f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
+      f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
     )
   losses = []
   examples = 0
   train_time = 0.0
   for epoch in range(args.epochs):
     batches = datasets.batches(
-        data.train_images, data.train_labels, args.batch_size, seed=args.seed, epoch=epoch
+      data.train_images, data.train_labels, args.batch_size, seed=args.seed, epoch=epoch
     )
     bar = tqdm(
-        batches,
-        total=steps_per_epoch,
-        desc=f"epoch {epoch + 1}/{args.epochs}",
-        disable=args.no_progress,
-        leave=True,
+      batches,
+      total=steps_per_epoch,
+      desc=f"epoch {epoch + 1}/{args.epochs}",
+      disable=args.no_progress,
+      leave=True,
     )
     start = time.perf_counter()
     for images, labels in bar:
@@ -177,8 +177,8 @@ def train(args: argparse.Namespace) -> dict:
   rate = examples / train_time if train_time else float("nan")
   print(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
   print(
-      f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
-      f"{len(devices)} {devices[0].platform} devices"
+    f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
+    f"{len(devices)} {devices[0].platform} devices"
   )
   print(f"mesh: {dict(trainer.mesh.shape)}")
   return {"accuracy": accuracy, "losses": [float(x) for x in losses], "state": state}
@@ -193,9 +193,9 @@ def schedule(args: argparse.Namespace) -> None:
     raise UsageError(str(e)) from None
   print(table)
   print(
-      f"bubble fraction: {table.bubble_fraction():.4f} measured, "
-      f"{table.theoretical_bubble():.4f} theory (P-1)/(M+P-1); "
-      f"peak live activations per stage: {table.max_live_activations()}"
+    f"bubble fraction: {table.bubble_fraction():.4f} measured, "
+    f"{table.theoretical_bubble():.4f} theory (P-1)/(M+P-1); "
+    f"peak live activations per stage: {table.max_live_activations()}"
   )
   if args.out:
     from parstrat._src.pipeline import drawing

@@ -64,12 +64,12 @@ class DataParallel(Strategy):
     return build_mesh({DATA: self.data}, self.devices)
 
   def make_plan(
-      self,
-      model: hk.Transformed,
-      loss_fn: LossFn,
-      mesh: Mesh,
-      sample_params: Params,
-      sample_inputs: jax.ShapeDtypeStruct,
+    self,
+    model: hk.Transformed,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    sample_params: Params,
+    sample_inputs: jax.ShapeDtypeStruct,
   ) -> Plan:
     del mesh, sample_params, sample_inputs
 
@@ -84,11 +84,11 @@ class DataParallel(Strategy):
       return model.apply(params, None, inputs)
 
     return Plan(
-        param_spec=P(),
-        batch_spec=P(DATA),
-        to_stored=lambda params: params,
-        to_params=lambda stored: stored,
-        loss_and_grad=loss_and_grad,
-        forward=forward,
-        description="params replicated over 'data'; batch split over 'data'",
+      param_spec=P(),
+      batch_spec=P(DATA),
+      to_stored=lambda params: params,
+      to_params=lambda stored: stored,
+      loss_and_grad=loss_and_grad,
+      forward=forward,
+      description="params replicated over 'data'; batch split over 'data'",
     )

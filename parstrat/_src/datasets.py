@@ -34,10 +34,7 @@ class Dataset:
   source: str
 
   def __repr__(self) -> str:
-    return (
-        f"Dataset({self.source}: {len(self.train_labels)} train, "
-        f"{len(self.eval_labels)} eval)"
-    )
+    return f"Dataset({self.source}: {len(self.train_labels)} train, {len(self.eval_labels)} eval)"
 
 
 def preprocess(images: np.ndarray) -> np.ndarray:
@@ -81,11 +78,11 @@ def load_sample() -> Dataset:
   images = preprocess(_read_idx(raw_images))
   labels = _read_idx(raw_labels).astype(np.int32)
   return Dataset(
-      images[:SAMPLE_TRAIN],
-      labels[:SAMPLE_TRAIN],
-      images[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
-      labels[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
-      source="sample",
+    images[:SAMPLE_TRAIN],
+    labels[:SAMPLE_TRAIN],
+    images[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
+    labels[SAMPLE_TRAIN : SAMPLE_TRAIN + SAMPLE_EVAL],
+    source="sample",
   )
 
 
@@ -182,22 +179,26 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
     try:
       return load_tfds(data_dir)
     except Exception as e:  # noqa: BLE001 - any download failure falls back
-      log(f"MNIST download through tensorflow-datasets failed ({type(e).__name__}); "
-          "using the bundled sample of 10,000 real MNIST images (8,000 train / 2,000 eval).")
+      log(
+        f"MNIST download through tensorflow-datasets failed ({type(e).__name__}); "
+        "using the bundled sample of 10,000 real MNIST images (8,000 train / 2,000 eval)."
+      )
       return load_sample()
-  log("No network for tensorflow-datasets: using the bundled sample of 10,000 real "
-      "MNIST images (8,000 train / 2,000 eval).")
+  log(
+    "No network for tensorflow-datasets: using the bundled sample of 10,000 real "
+    "MNIST images (8,000 train / 2,000 eval)."
+  )
   return load_sample()
 
 
 def batches(
-    images: np.ndarray,
-    labels: np.ndarray,
-    batch_size: int,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool = True,
+  images: np.ndarray,
+  labels: np.ndarray,
+  batch_size: int,
+  *,
+  seed: int,
+  epoch: int,
+  shuffle: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
   """Yields full global batches in a deterministic order for `(seed, epoch)`.
 

@@ -29,17 +29,17 @@ def default_split(num_devices: int) -> tuple[int, int]:
 
 
 def make_pipeline_plan(
-    model: hk.Transformed,
-    loss_fn: LossFn,
-    sample_params: Params,
-    sample_inputs: jax.ShapeDtypeStruct,
-    *,
-    stages: int,
-    microbatches: int,
-    schedule: str,
-    balance: str,
-    cuts: Sequence[int] | None,
-    bubble_value: float,
+  model: hk.Transformed,
+  loss_fn: LossFn,
+  sample_params: Params,
+  sample_inputs: jax.ShapeDtypeStruct,
+  *,
+  stages: int,
+  microbatches: int,
+  schedule: str,
+  balance: str,
+  cuts: Sequence[int] | None,
+  bubble_value: float,
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
@@ -55,7 +55,7 @@ def make_pipeline_plan(
     return model.apply(params, None, x)
 
   stage_plan = partition_lib.plan_stages(
-      apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
+    apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
   )
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
   layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
@@ -63,7 +63,7 @@ def make_pipeline_plan(
   @functools.cache
   def staged_for(shape: tuple[int, ...], dtype) -> engine.StagedModel:
     prog = partition_lib.stage_program(
-        apply, sample_params, jax.ShapeDtypeStruct(shape, dtype), stage_plan
+      apply, sample_params, jax.ShapeDtypeStruct(shape, dtype), stage_plan
     )
     width = max(partition_lib.flat_width(b) for b in prog.boundaries[1:])
     return engine.StagedModel(layout, prog, width, loss_fn)
@@ -74,45 +74,45 @@ def make_pipeline_plan(
   def loss_and_grad(stored, inputs, labels):
     row = stored[0]
     loss, grads = engine.pipeline_loss_and_grad(
-        microbatch_model(inputs),
-        sched,
-        row,
-        inputs,
-        labels,
-        stage_axis=STAGE,
-        bubble_value=bubble_value,
+      microbatch_model(inputs),
+      sched,
+      row,
+      inputs,
+      labels,
+      stage_axis=STAGE,
+      bubble_value=bubble_value,
     )
     loss, grads = average_gradients((loss, grads), DATA)
     return loss, grads[None]
 
   def forward(stored, inputs):
     return engine.pipeline_forward(
-        microbatch_model(inputs),
-        microbatches,
-        stored[0],
-        inputs,
-        stage_axis=STAGE,
+      microbatch_model(inputs),
+      microbatches,
+      stored[0],
+      inputs,
+      stage_axis=STAGE,
     )
 
   sizes = layout.stage_sizes
   description = (
-      f"{stage_plan}\n"
-      f"per-device parameter buffer: {layout.size:,} elements "
-      f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
-      f"schedule: {sched.name}, {microbatches} microbatches, {sched.num_ticks} ticks, "
-      f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
-      f"{sched.num_act_slots} activation slot(s) per device"
+    f"{stage_plan}\n"
+    f"per-device parameter buffer: {layout.size:,} elements "
+    f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
+    f"schedule: {sched.name}, {microbatches} microbatches, {sched.num_ticks} ticks, "
+    f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
+    f"{sched.num_act_slots} activation slot(s) per device"
   )
   return Plan(
-      param_spec=P(STAGE),
-      batch_spec=P(DATA),
-      to_stored=layout.to_stored,
-      to_params=layout.to_params,
-      loss_and_grad=loss_and_grad,
-      forward=forward,
-      batch_multiple=microbatches,
-      check_vma=False,
-      description=description,
+    param_spec=P(STAGE),
+    batch_spec=P(DATA),
+    to_stored=layout.to_stored,
+    to_params=layout.to_params,
+    loss_and_grad=loss_and_grad,
+    forward=forward,
+    batch_multiple=microbatches,
+    check_vma=False,
+    description=description,
   )
 
 
@@ -174,7 +174,7 @@ class Hybrid(Strategy):
   def make_mesh(self) -> Mesh:
     if self.schedule not in schedule_lib.ORDERS:
       raise ValueError(
-          f"Unknown schedule {self.schedule!r}; choose one of {sorted(schedule_lib.ORDERS)}."
+        f"Unknown schedule {self.schedule!r}; choose one of {sorted(schedule_lib.ORDERS)}."
       )
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
@@ -185,16 +185,16 @@ class Hybrid(Strategy):
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
     stages = mesh.shape[STAGE]
     return make_pipeline_plan(
-        model,
-        loss_fn,
-        sample_params,
-        sample_inputs,
-        stages=stages,
-        microbatches=self.microbatches or stages,
-        schedule=self.schedule,
-        balance=self.balance,
-        cuts=self.cuts,
-        bubble_value=self.bubble_value,
+      model,
+      loss_fn,
+      sample_params,
+      sample_inputs,
+      stages=stages,
+      microbatches=self.microbatches or stages,
+      schedule=self.schedule,
+      balance=self.balance,
+      cuts=self.cuts,
+      bubble_value=self.bubble_value,
     )
 
 

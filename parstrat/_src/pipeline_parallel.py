@@ -50,15 +50,15 @@ class PipelineModelParallel(Strategy):
   def as_hybrid(self) -> Hybrid:
     """The equivalent `Hybrid` with one data replica."""
     return Hybrid(
-        data=1,
-        stages=self.stages,
-        microbatches=self.microbatches,
-        schedule=self.schedule,
-        balance=self.balance,
-        cuts=self.cuts,
-        bubble_value=self.bubble_value,
-        devices=self.devices,
-        debug=self.debug,
+      data=1,
+      stages=self.stages,
+      microbatches=self.microbatches,
+      schedule=self.schedule,
+      balance=self.balance,
+      cuts=self.cuts,
+      bubble_value=self.bubble_value,
+      devices=self.devices,
+      debug=self.debug,
     )
 
   def make_mesh(self) -> Mesh:

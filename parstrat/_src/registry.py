@@ -28,11 +28,12 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
 
   Example:
     >>> import parstrat
-    >>> @parstrat.register("my_data_parallel")
-    ... class MyDataParallel(parstrat.DataParallel): ...
-    >>> "my_data_parallel" in parstrat.available()
-    True
-    >>> parstrat.unregister("my_data_parallel")
+    >>> _ = parstrat.register("dp")(parstrat.DataParallel)  # a second name
+    >>> parstrat.get("dp", data=2)
+    DataParallel(data=2)
+    >>> parstrat.unregister("dp")
+
+    See examples/custom_strategy.py for a strategy written from scratch.
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
@@ -42,17 +43,22 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
 
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
       raise TypeError(
-          f"@parstrat.register({name!r}) needs a subclass of parstrat.Strategy, got {cls!r}."
+        f"@parstrat.register({name!r}) needs a subclass of parstrat.Strategy, got {cls!r}."
       )
-    if name in _REGISTRY and not overwrite and _REGISTRY[name] is not cls:
+    if name in _REGISTRY and not overwrite and not _same_definition(_REGISTRY[name], cls):
       raise ValueError(
-          f"A strategy is already registered as {name!r} ({_REGISTRY[name].__qualname__}); "
-          "pass overwrite=True to replace it."
+        f"A strategy is already registered as {name!r} ({_REGISTRY[name].__qualname__}); "
+        "pass overwrite=True to replace it."
       )
     _REGISTRY[name] = cls
     return cls
 
   return decorator
+
+
+def _same_definition(a: type, b: type) -> bool:
+  """True for one class seen twice (a module imported again or reloaded)."""
+  return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
 def unregister(name: str) -> None:
@@ -111,8 +117,8 @@ def get(name: str, /, **config: Any):
     unknown = sorted(set(config) - set(options))
     if unknown:
       raise TypeError(
-          f"Strategy {name!r} has no option {', '.join(map(repr, unknown))}; "
-          f"its options are {', '.join(options)}."
+        f"Strategy {name!r} has no option {', '.join(map(repr, unknown))}; "
+        f"its options are {', '.join(options)}."
       )
   return cls(**config)
 

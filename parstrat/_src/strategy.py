@@ -148,12 +148,12 @@ class Strategy(abc.ABC):
 
   @abc.abstractmethod
   def make_plan(
-      self,
-      model: hk.Transformed,
-      loss_fn: LossFn,
-      mesh: Mesh,
-      sample_params: Params,
-      sample_inputs: jax.ShapeDtypeStruct,
+    self,
+    model: hk.Transformed,
+    loss_fn: LossFn,
+    mesh: Mesh,
+    sample_params: Params,
+    sample_inputs: jax.ShapeDtypeStruct,
   ) -> Plan:
     """Returns the `Plan` for `model` on `mesh`.
 
@@ -166,11 +166,11 @@ class Strategy(abc.ABC):
     """
 
   def __call__(
-      self,
-      model: hk.Transformed,
-      optimizer: optax.GradientTransformation,
-      *,
-      loss_fn: LossFn | None = None,
+    self,
+    model: hk.Transformed,
+    optimizer: optax.GradientTransformation,
+    *,
+    loss_fn: LossFn | None = None,
   ) -> Trainer:
     """Wraps `model` and `optimizer` into a `Trainer` on this strategy's mesh.
 
@@ -210,8 +210,8 @@ def available_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
 
 
 def build_mesh(
-    axis_sizes: dict[str, int | None],
-    devices: Sequence[jax.Device] | None,
+  axis_sizes: dict[str, int | None],
+  devices: Sequence[jax.Device] | None,
 ) -> Mesh:
   """Builds a mesh with the named axes; at most one size may be `None` (fill).
 
@@ -247,44 +247,44 @@ def build_mesh(
       raise ValueError(f"At most one mesh axis may be left to fill the devices, got {fill}.")
     if len(devs) % known:
       raise ValueError(
-          f"{len(devs)} devices do not split evenly into axis {fill[0]!r} with the other "
-          f"axes {dict((k, v) for k, v in axis_sizes.items() if v is not None)} (product {known})."
+        f"{len(devs)} devices do not split evenly into axis {fill[0]!r} with the other "
+        f"axes {dict((k, v) for k, v in axis_sizes.items() if v is not None)} (product {known})."
       )
     sizes[fill[0]] = len(devs) // known
   total = int(np.prod(list(sizes.values())))
   if total > len(devs):
     described = " x ".join(f"{name}={size}" for name, size in sizes.items())
     raise ValueError(
-        f"The mesh {described} needs {total} devices, but only {len(devs)} are available."
+      f"The mesh {described} needs {total} devices, but only {len(devs)} are available."
     )
   shape = tuple(int(s) for s in sizes.values())
   return jax.make_mesh(
-      shape,
-      tuple(sizes),
-      devices=devs[:total],
-      axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+    shape,
+    tuple(sizes),
+    devices=devs[:total],
+    axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
   )
 
 
 def _check_model(model: Any) -> None:
   if isinstance(model, hk.TransformedWithState):
     raise TypeError(
-        "parstrat trains stateless models: got an hk.TransformedWithState "
-        "(from hk.transform_with_state); use hk.transform."
+      "parstrat trains stateless models: got an hk.TransformedWithState "
+      "(from hk.transform_with_state); use hk.transform."
     )
   if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
     raise TypeError(
-        f"The model must be an hk.Transformed (from hk.transform), got {type(model).__name__}."
+      f"The model must be an hk.Transformed (from hk.transform), got {type(model).__name__}."
     )
 
 
 def _check_optimizer(optimizer: Any) -> None:
   if not (
-      callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
   ):
     raise TypeError(
-        "The optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
-        f"got {type(optimizer).__name__}."
+      "The optimizer must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+      f"got {type(optimizer).__name__}."
     )
 
 
@@ -306,12 +306,12 @@ class Trainer:
   """
 
   def __init__(
-      self,
-      strategy: Strategy,
-      model: hk.Transformed,
-      optimizer: optax.GradientTransformation,
-      *,
-      loss_fn: LossFn | None = None,
+    self,
+    strategy: Strategy,
+    model: hk.Transformed,
+    optimizer: optax.GradientTransformation,
+    *,
+    loss_fn: LossFn | None = None,
   ):
     _check_model(model)
     _check_optimizer(optimizer)
@@ -340,9 +340,9 @@ class Trainer:
 
   def _shardings(self, spec_tree: Any) -> Any:
     return jax.tree.map(
-        lambda spec: NamedSharding(self.mesh, spec),
-        spec_tree,
-        is_leaf=lambda x: isinstance(x, P),
+      lambda spec: NamedSharding(self.mesh, spec),
+      spec_tree,
+      is_leaf=lambda x: isinstance(x, P),
     )
 
   @functools.cached_property
@@ -368,14 +368,14 @@ class Trainer:
     sample = _as_array("sample_inputs", sample_inputs)
     if sample.ndim < 1 or sample.shape[0] < 1:
       raise ValueError(
-          f"sample_inputs needs a leading batch axis of size >= 1, got shape {sample.shape}."
+        f"sample_inputs needs a leading batch axis of size >= 1, got shape {sample.shape}."
       )
     if not jnp.issubdtype(sample.dtype, jnp.floating):
       raise TypeError(f"sample_inputs must be floating point, got dtype {sample.dtype}.")
     abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
     abstract_params = jax.eval_shape(self.model.init, rng, abstract_inputs)
     plan = self.strategy.make_plan(
-        self.model, self.loss_fn, self.mesh, abstract_params, abstract_inputs
+      self.model, self.loss_fn, self.mesh, abstract_params, abstract_inputs
     )
     param_shardings = self._shardings(plan.param_spec)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
@@ -386,11 +386,11 @@ class Trainer:
     # sharding; counters and other non-parameter leaves are replicated.
     abstract_opt = jax.eval_shape(self.optimizer.init, stored)
     opt_shardings = optax.tree_utils.tree_map_params(
-        self.optimizer,
-        lambda _, sharding: sharding,
-        abstract_opt,
-        jax.tree.broadcast(param_shardings, stored),
-        transform_non_params=lambda _: self._replicated,
+      self.optimizer,
+      lambda _, sharding: sharding,
+      abstract_opt,
+      jax.tree.broadcast(param_shardings, stored),
+      transform_non_params=lambda _: self._replicated,
     )
     opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(stored)
     step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
@@ -412,11 +412,11 @@ class Trainer:
     mesh = self.mesh
     param_spec = plan.param_spec
     grad_fn = jax.shard_map(
-        plan.loss_and_grad,
-        mesh=mesh,
-        in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
-        out_specs=(P(), param_spec),
-        check_vma=plan.check_vma,
+      plan.loss_and_grad,
+      mesh=mesh,
+      in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
+      out_specs=(P(), param_spec),
+      check_vma=plan.check_vma,
     )
     optimizer = self.optimizer
 
@@ -430,9 +430,9 @@ class Trainer:
     # Pinning the output shardings to the input's keeps the state a fixed
     # point, so the second step reuses the first step's program.
     return jax.jit(
-        train_step,
-        donate_argnums=0,
-        out_shardings=(self._state_shardings, self._replicated),
+      train_step,
+      donate_argnums=0,
+      out_shardings=(self._state_shardings, self._replicated),
     )
 
   def _batch_sharding(self) -> NamedSharding:
@@ -453,8 +453,8 @@ class Trainer:
     expected = self._input_shape
     if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
       raise ValueError(
-          f"{what} must have shape [B, {', '.join(map(str, expected))}] like the sample "
-          f"given to init, got {tuple(x.shape)}."
+        f"{what} must have shape [B, {', '.join(map(str, expected))}] like the sample "
+        f"given to init, got {tuple(x.shape)}."
       )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{what} must be floating point (e.g. float32), got dtype {x.dtype}.")
@@ -469,8 +469,8 @@ class Trainer:
       if self.plan.batch_multiple > 1:
         detail += f" x {self.plan.batch_multiple} microbatches"
       raise ValueError(
-          f"The batch size of {what} must be a positive multiple of {multiple} "
-          f"({detail}), got {batch}."
+        f"The batch size of {what} must be a positive multiple of {multiple} "
+        f"({detail}), got {batch}."
       )
 
   def _check_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -480,8 +480,8 @@ class Trainer:
     y = _as_array("labels", batch[1])
     if y.ndim < 1 or y.shape[0] != x.shape[0]:
       raise ValueError(
-          f"labels must have a leading axis of {x.shape[0]} (one per image), "
-          f"got shape {tuple(y.shape)}."
+        f"labels must have a leading axis of {x.shape[0]} (one per image), "
+        f"got shape {tuple(y.shape)}."
       )
     if self.uses_default_loss:
       if y.ndim != 1:
@@ -516,16 +516,26 @@ class Trainer:
       checks.assert_replicas_equal(state)
     return state, metrics
 
+  def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
+    """Lowers the training step for `batch`'s shapes, without running it.
+
+    `trainer.lower(state, batch).compile().memory_analysis()` reports the
+    compiled step's memory (e.g. `temp_size_in_bytes` for activations).
+    """
+    x, y = self._check_batch(batch)
+    x, y = jax.device_put((x, y), self._batch_sharding())
+    return self._compiled_step.lower(state, x, y)
+
   # ----------------------------------------------------------------- apply
   @functools.cached_property
   def _compiled_apply(self):
     plan = self.plan
     fwd = jax.shard_map(
-        plan.forward,
-        mesh=self.mesh,
-        in_specs=(plan.param_spec, plan.batch_spec),
-        out_specs=plan.batch_spec,
-        check_vma=plan.check_vma,
+      plan.forward,
+      mesh=self.mesh,
+      in_specs=(plan.param_spec, plan.batch_spec),
+      out_specs=plan.batch_spec,
+      check_vma=plan.check_vma,
     )
     return jax.jit(fwd)
 

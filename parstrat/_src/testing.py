@@ -48,9 +48,9 @@ def use_cpu_devices(count: int) -> None:
     have = len(jax.devices("cpu"))
     if have != count:
       raise RuntimeError(
-          f"JAX's backend already started with {have} CPU device(s), so {count} cannot be "
-          "set: call parstrat.testing.use_cpu_devices at the top of conftest.py, before "
-          "any module uses JAX."
+        f"JAX's backend already started with {have} CPU device(s), so {count} cannot be "
+        "set: call parstrat.testing.use_cpu_devices at the top of conftest.py, before "
+        "any module uses JAX."
       ) from None
 
 
@@ -60,7 +60,7 @@ def seed_mlp() -> hk.Transformed:
 
 
 def random_batches(
-    steps: int, batch: int, features: int = 784, classes: int = 10, seed: int = 0
+  steps: int, batch: int, features: int = 784, classes: int = 10, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
   """Deterministic random images in [0, 1] `[steps, batch, features]` and int labels."""
   rng = np.random.default_rng(seed)
@@ -84,9 +84,9 @@ class Report:
 
   def __str__(self) -> str:
     return (
-        f"{self.strategy} with {self.optimizer}: {self.steps} steps, loss diff "
-        f"{self.max_loss_diff:.2e}, param diff {self.max_param_diff:.2e}, "
-        f"{self.compiles_after_first_step} recompiles"
+      f"{self.strategy} with {self.optimizer}: {self.steps} steps, loss diff "
+      f"{self.max_loss_diff:.2e}, param diff {self.max_param_diff:.2e}, "
+      f"{self.compiles_after_first_step} recompiles"
     )
 
 
@@ -107,12 +107,12 @@ def _count_compiles() -> Iterator[list[str]]:
 
 
 def reference_run(
-    model: hk.Transformed,
-    optimizer: optax.GradientTransformation,
-    images: np.ndarray,
-    labels: np.ndarray,
-    params: Any,
-    loss_fn: LossFn = softmax_cross_entropy,
+  model: hk.Transformed,
+  optimizer: optax.GradientTransformation,
+  images: np.ndarray,
+  labels: np.ndarray,
+  params: Any,
+  loss_fn: LossFn = softmax_cross_entropy,
 ) -> tuple[list[float], Any]:
   """Plain single-device `jax.jit` training: the oracle every strategy must match."""
   device = jax.devices()[0]
@@ -150,23 +150,23 @@ def _check_batch_split(trainer: Trainer, state, images: np.ndarray) -> None:
   expected = jax.sharding.NamedSharding(trainer.mesh, trainer.plan.batch_spec)
   if not logits.sharding.is_equivalent_to(expected, logits.ndim):
     raise AssertionError(
-        f"The batch was not split as the plan says: outputs are laid out as "
-        f"{logits.sharding}, the plan's batch_spec is {trainer.plan.batch_spec}."
+      f"The batch was not split as the plan says: outputs are laid out as "
+      f"{logits.sharding}, the plan's batch_spec is {trainer.plan.batch_spec}."
     )
 
 
 def check_strategy(
-    strategy: Strategy | str,
-    model: hk.Transformed | None = None,
-    optimizers: Sequence[optax.GradientTransformation] | None = None,
-    *,
-    steps: int = 5,
-    batch: int = 64,
-    features: int = 784,
-    loss_fn: LossFn | None = None,
-    rtol: float = 1e-5,
-    atol: float = 1e-5,
-    seed: int = 0,
+  strategy: Strategy | str,
+  model: hk.Transformed | None = None,
+  optimizers: Sequence[optax.GradientTransformation] | None = None,
+  *,
+  steps: int = 5,
+  batch: int = 64,
+  features: int = 784,
+  loss_fn: LossFn | None = None,
+  rtol: float = 1e-5,
+  atol: float = 1e-5,
+  seed: int = 0,
 ) -> list[Report]:
   """Trains `strategy` beside plain single-device `jax.jit` and asserts they agree.
 
@@ -207,9 +207,9 @@ def check_strategy(
     strategy = registry.get(strategy)
   model = seed_mlp() if model is None else model
   named = (
-      [("sgd", optax.sgd(0.1), atol), ("adam", optax.adam(ADAM_LR), max(atol, ADAM_PARAM_ATOL))]
-      if optimizers is None
-      else [(f"optimizer {i}", opt, atol) for i, opt in enumerate(optimizers)]
+    [("sgd", optax.sgd(0.1), atol), ("adam", optax.adam(ADAM_LR), max(atol, ADAM_PARAM_ATOL))]
+    if optimizers is None
+    else [(f"optimizer {i}", opt, atol) for i, opt in enumerate(optimizers)]
   )
   images, labels = random_batches(steps, batch, features, seed=seed)
   reports = []
@@ -218,7 +218,7 @@ def check_strategy(
     key = jax.random.key(seed)
     reference_params = jax.jit(model.init)(key, images[0][:1])
     ref_losses, ref_params = reference_run(
-        model, optimizer, images, labels, reference_params, trainer.loss_fn
+      model, optimizer, images, labels, reference_params, trainer.loss_fn
     )
     label = f"{strategy!r} with {name}"
     try:
@@ -247,8 +247,8 @@ def check_strategy(
     if bad_steps.size:
       i = int(bad_steps[0])
       problems.append(
-          f"loss differs from step {i + 1}: {losses[i]:.8g} vs reference {ref_losses[i]:.8g} "
-          f"(ratio {losses[i] / ref_losses[i]:.4g})"
+        f"loss differs from step {i + 1}: {losses[i]:.8g} vs reference {ref_losses[i]:.8g} "
+        f"(ratio {losses[i] / ref_losses[i]:.4g})"
       )
     leaf, param_diff = _first_divergence(params, ref_params, rtol, param_atol)
     if leaf:
@@ -258,15 +258,15 @@ def check_strategy(
     if problems:
       raise AssertionError(f"{label} does not match single-device jit: " + "; ".join(problems))
     reports.append(
-        Report(
-            strategy=repr(strategy),
-            optimizer=name,
-            steps=steps,
-            losses=tuple(losses),
-            reference_losses=tuple(ref_losses),
-            max_loss_diff=float(loss_diff.max()),
-            max_param_diff=param_diff,
-            compiles_after_first_step=recompiles,
-        )
+      Report(
+        strategy=repr(strategy),
+        optimizer=name,
+        steps=steps,
+        losses=tuple(losses),
+        reference_losses=tuple(ref_losses),
+        max_loss_diff=float(loss_diff.max()),
+        max_param_diff=param_diff,
+        compiles_after_first_step=recompiles,
+      )
     )
   return reports

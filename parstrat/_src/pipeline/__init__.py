@@ -1,0 +1,1 @@
+"""Pipeline parallelism internals: partition, schedules, engine, drawing."""

@@ -32,7 +32,7 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
     for s in range(P):
       action, m = int(schedule.action[t, s]), int(schedule.microbatch[t, s])
       colour = {Action.FORWARD: FORWARD_COLOUR, Action.BACKWARD: BACKWARD_COLOUR}.get(
-          action, IDLE_COLOUR
+        action, IDLE_COLOUR
       )
       ax.add_patch(Rectangle((t, s), 1, 1, facecolor=colour, edgecolor="white", linewidth=1))
       if action != Action.IDLE:
@@ -43,21 +43,21 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
   ax.set_xticks(range(0, T + 1, max(1, T // 20)))
   ax.set_xlabel("tick")
   ax.set_title(
-      f"{schedule.name}: P={P}, M={schedule.microbatches}, bubble "
-      f"{schedule.bubble_fraction():.3f} (theory {schedule.theoretical_bubble():.3f})",
-      fontsize=10,
+    f"{schedule.name}: P={P}, M={schedule.microbatches}, bubble "
+    f"{schedule.bubble_fraction():.3f} (theory {schedule.theoretical_bubble():.3f})",
+    fontsize=10,
   )
   ax.legend(
-      handles=[
-          Patch(color=FORWARD_COLOUR, label="forward"),
-          Patch(color=BACKWARD_COLOUR, label="backward"),
-          Patch(color=IDLE_COLOUR, label="bubble"),
-      ],
-      loc="upper center",
-      bbox_to_anchor=(0.5, -0.3),
-      ncol=3,
-      fontsize=8,
-      frameon=False,
+    handles=[
+      Patch(color=FORWARD_COLOUR, label="forward"),
+      Patch(color=BACKWARD_COLOUR, label="backward"),
+      Patch(color=IDLE_COLOUR, label="bubble"),
+    ],
+    loc="upper center",
+    bbox_to_anchor=(0.5, -0.3),
+    ncol=3,
+    fontsize=8,
+    frameon=False,
   )
   fig.tight_layout()
   fig.savefig(path, bbox_inches="tight")

@@ -53,16 +53,14 @@ class FlatLayout:
     leaves, treedef = jax.tree.flatten(params)
     dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) != 1:
-      raise ValueError(
-          f"Pipelined params must share one dtype, got {sorted(map(str, dtypes))}."
-      )
+      raise ValueError(f"Pipelined params must share one dtype, got {sorted(map(str, dtypes))}.")
     owner: dict[int, int] = {}
     for s, group in enumerate(stage_leaves):
       for i in group:
         if i in owner:
           raise ValueError(
-              f"Parameter leaf {i} is used by stages {owner[i]} and {s}; "
-              "a pipelined model cannot share weights across stages."
+            f"Parameter leaf {i} is used by stages {owner[i]} and {s}; "
+            "a pipelined model cannot share weights across stages."
           )
         owner[i] = s
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
@@ -75,9 +73,7 @@ class FlatLayout:
 
   @property
   def stage_sizes(self) -> list[int]:
-    return [
-        sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves
-    ]
+    return [sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves]
 
   def to_stored(self, params: Any) -> jax.Array:
     """Model layout -> `[P, size]` stage buffers."""
@@ -92,8 +88,8 @@ class FlatLayout:
   def stage_params(self, stage: int, row: jax.Array) -> list[jax.Array]:
     """Stage `stage`'s leaves, sliced out of its flat buffer `row`."""
     return [
-        lax.dynamic_slice_in_dim(row, off, int(np.prod(self.shapes[i]))).reshape(self.shapes[i])
-        for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True)
+      lax.dynamic_slice_in_dim(row, off, int(np.prod(self.shapes[i]))).reshape(self.shapes[i])
+      for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True)
     ]
 
   def to_params(self, stored: jax.Array) -> Any:
@@ -155,14 +151,14 @@ def _shift(value: jax.Array, axis: str, stages: int, direction: int) -> jax.Arra
 
 
 def pipeline_loss_and_grad(
-    staged: StagedModel,
-    schedule: Schedule,
-    row: jax.Array,
-    inputs: jax.Array,
-    labels: jax.Array,
-    *,
-    stage_axis: str,
-    bubble_value: float = 0.0,
+  staged: StagedModel,
+  schedule: Schedule,
+  row: jax.Array,
+  inputs: jax.Array,
+  labels: jax.Array,
+  *,
+  stage_axis: str,
+  bubble_value: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
   """One device's share of a pipelined forward and backward over its batch block.
 
@@ -199,16 +195,16 @@ def pipeline_loss_and_grad(
   W, dtype = staged.width, row.dtype
   stage = lax.axis_index(stage_axis)
   tables = jnp.asarray(
-      np.stack(
-          [
-              schedule.action,
-              np.maximum(schedule.microbatch, 0),
-              schedule.act_slot,
-              schedule.grad_slot,
-              schedule.recv_act_slot,
-              schedule.recv_grad_slot,
-          ]
-      )
+    np.stack(
+      [
+        schedule.action,
+        np.maximum(schedule.microbatch, 0),
+        schedule.act_slot,
+        schedule.grad_slot,
+        schedule.recv_act_slot,
+        schedule.recv_grad_slot,
+      ]
+    )
   )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
@@ -245,26 +241,26 @@ def pipeline_loss_and_grad(
     stash, inbox, grads, loss = carry
     action, m, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(6))
     index = jnp.where(
-        action == Action.FORWARD, 1 + stage, jnp.where(action == Action.BACKWARD, 1 + P + stage, 0)
+      action == Action.FORWARD, 1 + stage, jnp.where(action == Action.BACKWARD, 1 + P + stage, 0)
     )
     send_act, send_grad, d_row, d_loss = lax.switch(
-        index,
-        branches,
-        row,
-        _read(stash, a_slot),
-        _read(inbox, g_slot),
-        lax.dynamic_index_in_dim(xs, m, keepdims=False),
-        lax.dynamic_index_in_dim(ys, m, keepdims=False),
+      index,
+      branches,
+      row,
+      _read(stash, a_slot),
+      _read(inbox, g_slot),
+      lax.dynamic_index_in_dim(xs, m, keepdims=False),
+      lax.dynamic_index_in_dim(ys, m, keepdims=False),
     )
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
     return stash, inbox, grads + d_row, loss + d_loss
 
   carry = (
-      jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
-      jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
-      zero_row,
-      zero_loss,
+    jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
+    jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
+    zero_row,
+    zero_loss,
   )
   _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
   loss = lax.psum(loss, stage_axis) / M
@@ -272,12 +268,12 @@ def pipeline_loss_and_grad(
 
 
 def pipeline_forward(
-    staged: StagedModel,
-    microbatches: int,
-    row: jax.Array,
-    inputs: jax.Array,
-    *,
-    stage_axis: str,
+  staged: StagedModel,
+  microbatches: int,
+  row: jax.Array,
+  inputs: jax.Array,
+  *,
+  stage_axis: str,
 ) -> jax.Array:
   """A forward-only pipelined pass; returns the `[B, out...]` outputs on every stage.
 
@@ -313,7 +309,9 @@ def pipeline_forward(
   carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
   _, outputs = lax.fori_loop(0, M + P - 1, tick, carry)
   outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
-  return partition_lib.unpad(outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype))
+  return partition_lib.unpad(
+    outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)
+  )
 
 
 def _forward_no_loss(staged: StagedModel, s: int, row, act, x, y):

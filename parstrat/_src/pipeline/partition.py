@@ -98,9 +98,7 @@ class StagePlan:
     lines.append(f"{'stage':>5}  {'params':>10}  {'FLOPs/example':>13}  layers")
     for s, group in enumerate(self.stage_layers):
       names = ", ".join(self.layers[i].name for i in group)
-      lines.append(
-          f"{s:>5}  {self.stage_params()[s]:>10,}  {self.stage_flops()[s]:>13,}  {names}"
-      )
+      lines.append(f"{s:>5}  {self.stage_params()[s]:>10,}  {self.stage_flops()[s]:>13,}  {names}")
     return "\n".join(lines)
 
 
@@ -125,7 +123,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
   jaxpr = closed.jaxpr
   if len(jaxpr.outvars) != 1:
     raise ValueError(
-        f"A pipelined model must return one array (the logits); it returns {len(jaxpr.outvars)}."
+      f"A pipelined model must return one array (the logits); it returns {len(jaxpr.outvars)}."
     )
   names = []
   leaf_layer = []
@@ -135,12 +133,12 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
       names.append(name)
     leaf_layer.append(names.index(name))
   return _Trace(
-      jaxpr=jaxpr,
-      consts=list(closed.consts),
-      param_vars=list(jaxpr.invars[: len(leaves)]),
-      input_var=jaxpr.invars[len(leaves)],
-      leaf_layer=leaf_layer,
-      layer_names=names,
+    jaxpr=jaxpr,
+    consts=list(closed.consts),
+    param_vars=list(jaxpr.invars[: len(leaves)]),
+    input_var=jaxpr.invars[len(leaves)],
+    leaf_layer=leaf_layer,
+    layer_names=names,
   )
 
 
@@ -205,7 +203,7 @@ def _analyse(trace: _Trace) -> _Analysis:
   rank = {layer: r for r, layer in enumerate(layer_order)}
   eqn_layer = []
   current = 0
-  for i, eqn in enumerate(eqns):
+  for eqn in eqns:
     for v in eqn.invars:
       if _is_var(v) and v in param_layer:
         current = max(current, rank[param_layer[v]])
@@ -226,8 +224,8 @@ def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | Non
       return c, ""
   counts = sorted({len(analysis.live[c]) for c in range(before + 1, after + 1)})
   return None, (
-      f"between layers {a!r} and {b!r} there is no point where a single activation "
-      f"crosses ({counts[0]} or more values are live, e.g. a skip connection)"
+    f"between layers {a!r} and {b!r} there is no point where a single activation "
+    f"crosses ({counts[0]} or more values are live, e.g. a skip connection)"
   )
 
 
@@ -263,13 +261,13 @@ def _min_max_partition(costs: Sequence[int], allowed: set[int], stages: int) -> 
 
 
 def plan_stages(
-    apply_fn: Callable,
-    params: Any,
-    inputs: jax.ShapeDtypeStruct,
-    stages: int,
-    *,
-    balance: str = "params",
-    cuts: Sequence[int] | None = None,
+  apply_fn: Callable,
+  params: Any,
+  inputs: jax.ShapeDtypeStruct,
+  stages: int,
+  *,
+  balance: str = "params",
+  cuts: Sequence[int] | None = None,
 ) -> StagePlan:
   """Cuts the model into `stages` contiguous stages.
 
@@ -306,8 +304,7 @@ def plan_stages(
   for eqn, layer in zip(trace.jaxpr.eqns, analysis.eqn_layer, strict=True):
     flops[layer] += _eqn_flops(eqn)
   layers = tuple(
-      Layer(trace.layer_names[order[r]], size[order[r]], flops[r] // max(batch, 1))
-      for r in range(n)
+    Layer(trace.layer_names[order[r]], size[order[r]], flops[r] // max(batch, 1)) for r in range(n)
   )
   names = [layer.name for layer in layers]
 
@@ -317,14 +314,14 @@ def plan_stages(
     eqn_cuts = [m + 1 for m in analysis.markers]
     if len(eqn_cuts) + 1 != stages:
       raise ValueError(
-          f"The model has {len(eqn_cuts)} stage_boundary marker(s), so it has "
-          f"{len(eqn_cuts) + 1} stages, but stages={stages} was asked for."
+        f"The model has {len(eqn_cuts)} stage_boundary marker(s), so it has "
+        f"{len(eqn_cuts) + 1} stages, but stages={stages} was asked for."
       )
     for m, c in zip(analysis.markers, eqn_cuts, strict=True):
       if len(analysis.live[c]) != 1:
         raise ValueError(
-            f"The stage_boundary marker at equation {m} cannot be cut: "
-            f"{len(analysis.live[c])} values cross it (e.g. a skip connection)."
+          f"The stage_boundary marker at equation {m} cannot be cut: "
+          f"{len(analysis.live[c])} values cross it (e.g. a skip connection)."
         )
     starts = [analysis.eqn_layer[c] for c in eqn_cuts]
     groups = _groups_from_starts(starts, n)
@@ -332,8 +329,8 @@ def plan_stages(
 
   if stages > n:
     raise ValueError(
-        f"stages={stages} exceeds the model's {n} layers ({', '.join(names)}); "
-        f"use at most {n} stages."
+      f"stages={stages} exceeds the model's {n} layers ({', '.join(names)}); "
+      f"use at most {n} stages."
     )
   boundary = {}
   reasons = {}
@@ -346,14 +343,14 @@ def plan_stages(
   if cuts is not None:
     starts = list(cuts)
     if (
-        len(starts) != stages - 1
-        or any(isinstance(s, bool) or not isinstance(s, int) for s in starts)
-        or starts != sorted(set(starts))
-        or (starts and (starts[0] < 1 or starts[-1] > n - 1))
+      len(starts) != stages - 1
+      or any(isinstance(s, bool) or not isinstance(s, int) for s in starts)
+      or starts != sorted(set(starts))
+      or (starts and (starts[0] < 1 or starts[-1] > n - 1))
     ):
       raise ValueError(
-          f"cuts must be {stages - 1} increasing layer indices in 1..{n - 1} "
-          f"(where stages 1..{stages - 1} start), got {tuple(cuts)}."
+        f"cuts must be {stages - 1} increasing layer indices in 1..{n - 1} "
+        f"(where stages 1..{stages - 1} start), got {tuple(cuts)}."
       )
     bad = [k for k in starts if k not in boundary]
     if bad:
@@ -363,8 +360,8 @@ def plan_stages(
     if len(boundary) < stages - 1:
       detail = "; ".join(reasons.values())
       raise ValueError(
-          f"The model cannot be cut into {stages} stages: only {len(boundary)} of its "
-          f"{n - 1} layer boundaries are cuttable ({detail})."
+        f"The model cannot be cut into {stages} stages: only {len(boundary)} of its "
+        f"{n - 1} layer boundaries are cuttable ({detail})."
       )
     costs = [layer.params if balance == "params" else layer.flops for layer in layers]
     starts = _min_max_partition(costs, set(boundary), stages)
@@ -396,7 +393,7 @@ class StageProgram:
 
 
 def stage_program(
-    apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct, plan: StagePlan
+  apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct, plan: StagePlan
 ) -> StageProgram:
   """Traces the model at `inputs`' shape and cuts it where `plan` says.
 
@@ -427,22 +424,22 @@ def stage_program(
     aval = live_in[s].aval
     if s > 0 and (not aval.shape or aval.shape[0] != batch):
       raise ValueError(
-          f"The activation entering stage {s} has shape {aval.shape}; a pipeline cut needs "
-          f"the batch ({batch}) as its leading axis."
+        f"The activation entering stage {s} has shape {aval.shape}; a pipeline cut needs "
+        f"the batch ({batch}) as its leading axis."
       )
     boundaries.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     sub = jex.Jaxpr(
-        constvars=consts_used,
-        invars=[*used, live_in[s]],
-        outvars=[live_out[s]],
-        eqns=segment,
-        effects=jex.no_effects,
-        debug_info=jex.DebugInfo(
-            "parstrat pipeline stage",
-            f"stage {s}",
-            tuple(f"param{i}" for i in range(len(used))) + ("activation",),
-            ("output",),
-        ),
+      constvars=consts_used,
+      invars=[*used, live_in[s]],
+      outvars=[live_out[s]],
+      eqns=segment,
+      effects=jex.no_effects,
+      debug_info=jex.DebugInfo(
+        "parstrat pipeline stage",
+        f"stage {s}",
+        tuple(f"param{i}" for i in range(len(used))) + ("activation",),
+        ("output",),
+      ),
     )
     consts = [trace.consts[const_index[v]] for v in consts_used]
 

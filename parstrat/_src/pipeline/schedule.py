@@ -38,7 +38,7 @@ def gpipe_order(stages: int, microbatches: int, stage: int) -> list[Op]:
   """GPipe: every forward, then every backward."""
   del stages, stage
   return [(Action.FORWARD, m) for m in range(microbatches)] + [
-      (Action.BACKWARD, m) for m in range(microbatches)
+    (Action.BACKWARD, m) for m in range(microbatches)
   ]
 
 
@@ -53,8 +53,8 @@ def one_f_one_b_order(stages: int, microbatches: int, stage: int) -> list[Op]:
 
 
 ORDERS: dict[str, Callable[[int, int, int], list[Op]]] = {
-    "gpipe": gpipe_order,
-    "1f1b": one_f_one_b_order,
+  "gpipe": gpipe_order,
+  "1f1b": one_f_one_b_order,
 }
 
 
@@ -130,9 +130,9 @@ class Schedule:
 
   def __str__(self) -> str:
     return (
-        f"{self.name} schedule, {self.stages} stages x {self.microbatches} microbatches, "
-        f"{self.num_ticks} ticks, bubble {self.bubble_fraction():.3f} "
-        f"(theory (P-1)/(M+P-1) = {self.theoretical_bubble():.3f})\n{self.table()}"
+      f"{self.name} schedule, {self.stages} stages x {self.microbatches} microbatches, "
+      f"{self.num_ticks} ticks, bubble {self.bubble_fraction():.3f} "
+      f"(theory (P-1)/(M+P-1) = {self.theoretical_bubble():.3f})\n{self.table()}"
     )
 
 
@@ -230,7 +230,9 @@ def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
   M = microbatches
   for s in range(stages):
     if s > 0:  # activations arrive from stage s-1 and live until our backward.
-      life = {m: (when[(Action.FORWARD, s - 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)}
+      life = {
+        m: (when[(Action.FORWARD, s - 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)
+      }
       slots, n = _allocate(life)
       num_act = max(num_act, n)
       for m in range(M):
@@ -238,24 +240,26 @@ def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
         act_slot[when[(Action.FORWARD, s, m)], s] = slots[m]
         act_slot[when[(Action.BACKWARD, s, m)], s] = slots[m]
     if s < stages - 1:  # gradients arrive from stage s+1.
-      life = {m: (when[(Action.BACKWARD, s + 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)}
+      life = {
+        m: (when[(Action.BACKWARD, s + 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)
+      }
       slots, n = _allocate(life)
       num_grad = max(num_grad, n)
       for m in range(M):
         recv_grad_slot[when[(Action.BACKWARD, s + 1, m)], s] = slots[m]
         grad_slot[when[(Action.BACKWARD, s, m)], s] = slots[m]
   return Schedule(
-      name=name,
-      stages=stages,
-      microbatches=microbatches,
-      action=action,
-      microbatch=microbatch,
-      act_slot=act_slot,
-      grad_slot=grad_slot,
-      recv_act_slot=recv_act_slot,
-      recv_grad_slot=recv_grad_slot,
-      num_act_slots=num_act,
-      num_grad_slots=num_grad,
+    name=name,
+    stages=stages,
+    microbatches=microbatches,
+    action=action,
+    microbatch=microbatch,
+    act_slot=act_slot,
+    grad_slot=grad_slot,
+    recv_act_slot=recv_act_slot,
+    recv_grad_slot=recv_grad_slot,
+    num_act_slots=num_act,
+    num_grad_slots=num_grad,
   )
 
 

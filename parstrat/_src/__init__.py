@@ -1,0 +1,1 @@
+"""The implementation of parstrat; the public API is the `parstrat` package."""
