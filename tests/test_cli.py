@@ -13,7 +13,7 @@ def _run(*args, timeout=300):
   return subprocess.run(
     [sys.executable, "-m", "parstrat", *args],
     capture_output=True,
-      check=False,
+    check=False,
     text=True,
     timeout=timeout,
     env=ENV,

@@ -13,7 +13,7 @@ def _run_example(name, timeout=600):
   out = subprocess.run(
     [sys.executable, str(ROOT / "examples" / name)],
     capture_output=True,
-      check=False,
+    check=False,
     text=True,
     timeout=timeout,
     env=env,
