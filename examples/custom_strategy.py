@@ -26,7 +26,8 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import parstrat  # noqa: E402
-from parstrat._src.datasets import batches, load_mnist  # noqa: E402
+from parstrat._src.datasets import batches  # noqa: E402
+from parstrat._src.datasets import load_mnist  # noqa: E402
 
 AXES = ("host", "local")
 

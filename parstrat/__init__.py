@@ -1,18 +1,21 @@
 """parstrat: interchangeable parallelism strategies for Haiku models and optax."""
 
-from parstrat import checks, pipeline
+from parstrat import checks
+from parstrat import collectives
+from parstrat import pipeline
 from parstrat._src.data_parallel import DataParallel
 from parstrat._src.hybrid import Hybrid
 from parstrat._src.pipeline_parallel import PipelineModelParallel
-from parstrat._src.registry import available, get, register, unregister
-from parstrat._src.strategy import (
-  Plan,
-  Strategy,
-  Trainer,
-  TrainState,
-  build_mesh,
-  softmax_cross_entropy,
-)
+from parstrat._src.registry import available
+from parstrat._src.registry import get
+from parstrat._src.registry import register
+from parstrat._src.registry import unregister
+from parstrat._src.strategy import Plan
+from parstrat._src.strategy import Strategy
+from parstrat._src.strategy import Trainer
+from parstrat._src.strategy import TrainState
+from parstrat._src.strategy import build_mesh
+from parstrat._src.strategy import softmax_cross_entropy
 
 __version__ = "0.1.0"
 
@@ -27,6 +30,7 @@ __all__ = [
   "available",
   "build_mesh",
   "checks",
+  "collectives",
   "get",
   "pipeline",
   "register",

@@ -1,13 +1,14 @@
 """Pipeline building blocks: stage cuts, schedules as data, and drawing them."""
 
-from parstrat._src.pipeline.partition import Layer, StagePlan, plan_stages, stage_boundary
-from parstrat._src.pipeline.schedule import (
-  Action,
-  Schedule,
-  build_schedule,
-  check_schedule,
-  theoretical_bubble,
-)
+from parstrat._src.pipeline.partition import Layer
+from parstrat._src.pipeline.partition import StagePlan
+from parstrat._src.pipeline.partition import plan_stages
+from parstrat._src.pipeline.partition import stage_boundary
+from parstrat._src.pipeline.schedule import Action
+from parstrat._src.pipeline.schedule import Schedule
+from parstrat._src.pipeline.schedule import build_schedule
+from parstrat._src.pipeline.schedule import check_schedule
+from parstrat._src.pipeline.schedule import theoretical_bubble
 
 __all__ = [
   "Action",

@@ -1,13 +1,11 @@
 """Tools for testing strategies: fake CPU devices and the conformance kit."""
 
-from parstrat._src.testing import (
-  Report,
-  check_strategy,
-  random_batches,
-  reference_run,
-  seed_mlp,
-  use_cpu_devices,
-)
+from parstrat._src.testing import Report
+from parstrat._src.testing import check_strategy
+from parstrat._src.testing import random_batches
+from parstrat._src.testing import reference_run
+from parstrat._src.testing import seed_mlp
+from parstrat._src.testing import use_cpu_devices
 
 __all__ = [
   "Report",

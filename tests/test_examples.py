@@ -29,3 +29,12 @@ def test_custom_strategy_example_trains_and_passes_the_kit():
   assert accuracy > 0.85
   assert "conformance: TwoLevelDataParallel() with sgd" in out
   assert "conformance: TwoLevelDataParallel() with adam" in out
+
+
+def test_global_normalization_example():
+  out = _run_example("global_normalization.py")
+  lines = out.splitlines()
+  assert len(lines) == 2
+  for line in lines:
+    assert "sum 1.000000" in line
+    assert float(line.rsplit(" ", 1)[1]) < 1e-7

@@ -4,7 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import DEEP_MLP, SEED_MLP, mlp
+from helpers import DEEP_MLP
+from helpers import SEED_MLP
+from helpers import mlp
 
 import parstrat
 import parstrat.testing

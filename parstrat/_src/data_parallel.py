@@ -12,7 +12,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
-from parstrat._src.strategy import LossFn, Params, Plan, Strategy, build_mesh
+from parstrat._src.strategy import LossFn
+from parstrat._src.strategy import Params
+from parstrat._src.strategy import Plan
+from parstrat._src.strategy import Strategy
+from parstrat._src.strategy import build_mesh
 
 DATA = "data"
 

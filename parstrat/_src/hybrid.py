@@ -13,11 +13,17 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
-from parstrat._src.data_parallel import DATA, average_gradients
+from parstrat._src.data_parallel import DATA
+from parstrat._src.data_parallel import average_gradients
 from parstrat._src.pipeline import engine
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline import schedule as schedule_lib
-from parstrat._src.strategy import LossFn, Params, Plan, Strategy, available_devices, build_mesh
+from parstrat._src.strategy import LossFn
+from parstrat._src.strategy import Params
+from parstrat._src.strategy import Plan
+from parstrat._src.strategy import Strategy
+from parstrat._src.strategy import available_devices
+from parstrat._src.strategy import build_mesh
 
 STAGE = "stage"
 

@@ -8,7 +8,8 @@ from jax.sharding import Mesh
 
 from parstrat._src import registry
 from parstrat._src.hybrid import Hybrid
-from parstrat._src.strategy import Plan, Strategy
+from parstrat._src.strategy import Plan
+from parstrat._src.strategy import Strategy
 
 
 @registry.register("pipeline")

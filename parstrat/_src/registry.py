@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 _REGISTRY: dict[str, type] = {}
 

@@ -17,8 +17,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import ClassVar
+from typing import NamedTuple
 
 import chex
 import haiku as hk
@@ -26,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import checks

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import chex
@@ -13,8 +14,12 @@ import jax
 import numpy as np
 import optax
 
-from parstrat._src import checks, registry
-from parstrat._src.strategy import LossFn, Strategy, Trainer, softmax_cross_entropy
+from parstrat._src import checks
+from parstrat._src import registry
+from parstrat._src.strategy import LossFn
+from parstrat._src.strategy import Strategy
+from parstrat._src.strategy import Trainer
+from parstrat._src.strategy import softmax_cross_entropy
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 ADAM_LR = 1e-3

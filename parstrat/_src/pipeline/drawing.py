@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from parstrat._src.pipeline.schedule import Action, Schedule
+from parstrat._src.pipeline.schedule import Action
+from parstrat._src.pipeline.schedule import Schedule
 
 FORWARD_COLOUR = "#4C72B0"
 BACKWARD_COLOUR = "#DD8452"
@@ -24,7 +25,8 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from matplotlib.patches import Patch, Rectangle
+  from matplotlib.patches import Patch
+  from matplotlib.patches import Rectangle
 
   T, P = schedule.num_ticks, schedule.stages
   fig, ax = plt.subplots(figsize=(max(6.0, 0.38 * T + 1.5), 0.55 * P + 1.6), dpi=120)

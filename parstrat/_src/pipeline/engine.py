@@ -25,7 +25,8 @@ import numpy as np
 from jax import lax
 
 from parstrat._src.pipeline import partition as partition_lib
-from parstrat._src.pipeline.schedule import Action, Schedule
+from parstrat._src.pipeline.schedule import Action
+from parstrat._src.pipeline.schedule import Schedule
 
 
 @dataclasses.dataclass(frozen=True)
