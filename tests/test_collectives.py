@@ -31,8 +31,8 @@ def test_pmap_of_vmap_with_a_tuple_of_axis_names():
 
 def test_one_axis_only_normalises_within_it():
   out = jax.vmap(
-      jax.vmap(lambda x: parstrat.collectives.global_normalize(x, "v"), axis_name="v"),
-      axis_name="p",
+    jax.vmap(lambda x: parstrat.collectives.global_normalize(x, "v"), axis_name="v"),
+    axis_name="p",
   )(ARR.reshape(8, 25))
   np.testing.assert_allclose(out.sum(axis=1), np.ones(8), rtol=1e-6)
 
@@ -40,5 +40,6 @@ def test_one_axis_only_normalises_within_it():
 def test_bad_meshes_and_shapes():
   with pytest.raises(ValueError, match="needs a 2-D mesh, got axes \\('p',\\)"):
     parstrat.collectives.normalize_on_mesh(ARR.reshape(8, 25), _mesh((8,), ("p",)))
-  with pytest.raises(ValueError, match=r"shape \(10, 20\) does not split over the mesh \{'p': 4, 'v': 2\}"):
+  message = r"shape \(10, 20\) does not split over the mesh \{'p': 4, 'v': 2\}"
+  with pytest.raises(ValueError, match=message):
     parstrat.collectives.normalize_on_mesh(ARR.reshape(10, 20), _mesh((4, 2)))
