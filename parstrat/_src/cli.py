@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--microbatches", type=_positive, default=None)
   train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
+  train.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
+  multi = train.add_argument_group(
+    "multi-process", "run one process per host (JAX's own cluster detection works too)"
+  )
+  multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
+  multi.add_argument("--num-processes", type=_positive, default=None)
+  multi.add_argument("--process-id", type=int, default=None)
+  multi.add_argument(
+    "--join-timeout", type=_positive, default=120, help="seconds to wait for all processes"
+  )
+  multi.add_argument(
+    "--heartbeat-timeout",
+    type=_positive,
+    default=30,
+    help="seconds without a heartbeat after which a lost process stops the others",
+  )
 
   sched = sub.add_parser("schedule", help="print and draw a pipeline schedule")
   sched.add_argument("--stages", type=_positive, required=True)
@@ -92,34 +110,62 @@ def _strategy_config(args: argparse.Namespace) -> dict:
   return config
 
 
-def _accuracy(trainer, state, images, labels, batch_size: int) -> float:
+def _accuracy(trainer, state, images, labels, batch_size: int, rows: slice) -> float:
+  """Eval accuracy; the last partial batch is padded (padding is not counted)."""
   import numpy as np
+  from jax.experimental import multihost_utils
 
   correct = 0
   for start in range(0, len(labels), batch_size):
     x = images[start : start + batch_size]
     n = len(x)
-    if n < batch_size:  # pad the last batch to the step's shape; padding is not counted
+    if n < batch_size:
       x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
-    logits = np.asarray(trainer.apply(state, x))[:n]
+    logits = trainer.apply(state, x[rows])
+    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))[:n]
     correct += int(np.sum(logits.argmax(-1) == labels[start : start + n]))
   return correct / len(labels)
 
 
+def _multi_process(args: argparse.Namespace) -> bool:
+  import os
+
+  return args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+
+
 def train(args: argparse.Namespace) -> dict:
-  _setup_devices(args.devices)
+  from parstrat._src import distributed
+
+  if _multi_process(args):
+    try:
+      distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        local_cpu_devices=args.devices,
+        timeout_s=args.join_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+      )
+    except ValueError as e:
+      raise UsageError(str(e)) from None
+  else:
+    _setup_devices(args.devices)
   import haiku as hk
   import jax
+  import numpy as np
   import optax
   from tqdm import tqdm
 
   import parstrat
   from parstrat._src import datasets
 
+  primary = distributed.is_primary()
+  say = print if primary else (lambda *a, **k: None)
   devices = jax.devices()
-  if args.devices > len(devices):
-    raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
-  devices = devices[: args.devices]
+  if jax.process_count() == 1:
+    if args.devices > len(devices):
+      raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
+    devices = devices[: args.devices]
   try:
     strategy = parstrat.get(args.strategy, devices=devices, **_strategy_config(args))
     strategy.make_mesh()  # fail on an impossible mesh before loading any data
@@ -130,57 +176,87 @@ def train(args: argparse.Namespace) -> dict:
 
   widths = [*args.hidden, 10]
   model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
-  data = datasets.load_mnist(args.source, data_dir=args.data_dir)
-  print(f"data: {data}")
+  data = datasets.load_mnist(args.source, data_dir=args.data_dir, log=say)
+  say(f"data: {data}")
   try:
     trainer = strategy(model, optax.adam(args.lr))
     state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
-  print(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  say(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  if jax.process_count() > 1:
+    say(f"processes: {jax.process_count()}, {jax.local_device_count()} devices each")
   if trainer.plan.description:
-    print(trainer.plan.description)
+    say(trainer.plan.description)
   steps_per_epoch = len(data.train_labels) // args.batch_size
   if steps_per_epoch < 1:
     raise UsageError(
       f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
     )
+  try:
+    rows = trainer.local_batch_rows(args.batch_size)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  metrics_file = open(args.metrics, "w") if (args.metrics and primary) else None  # noqa: SIM115
   losses = []
   examples = 0
   train_time = 0.0
-  for epoch in range(args.epochs):
-    batches = datasets.batches(
-      data.train_images, data.train_labels, args.batch_size, seed=args.seed, epoch=epoch
-    )
-    bar = tqdm(
-      batches,
-      total=steps_per_epoch,
-      desc=f"epoch {epoch + 1}/{args.epochs}",
-      disable=args.no_progress,
-      leave=True,
-    )
-    start = time.perf_counter()
-    for images, labels in bar:
-      try:
-        state, metrics = trainer.step(state, (images, labels))
-      except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-      losses.append(metrics["loss"])
-      bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
-    jax.block_until_ready(state)
-    if epoch > 0:  # the first epoch includes compilation
-      train_time += time.perf_counter() - start
-      examples += steps_per_epoch * args.batch_size
-    loss = float(losses[-1])
-    print(f"epoch {epoch + 1}: loss {loss:.4f}")
-  accuracy = _accuracy(trainer, state, data.eval_images, data.eval_labels, args.batch_size)
+  step = 0
+  try:
+    for epoch in range(args.epochs):
+      order = datasets.batch_indices(
+        len(data.train_labels), args.batch_size, seed=args.seed, epoch=epoch
+      )
+      bar = tqdm(
+        order,
+        total=steps_per_epoch,
+        desc=f"epoch {epoch + 1}/{args.epochs}",
+        disable=args.no_progress or not primary,
+        leave=True,
+      )
+      start = time.perf_counter()
+      for index in bar:
+        mine = index[rows]  # this process loads only its own rows of the global batch
+        tick = time.perf_counter()
+        try:
+          state, metrics = trainer.step(state, (data.train_images[mine], data.train_labels[mine]))
+        except (TypeError, ValueError) as e:
+          raise UsageError(str(e)) from None
+        step += 1
+        losses.append(metrics["loss"])
+        if metrics_file is not None:
+          loss = float(metrics["loss"])
+          rate = args.batch_size / (time.perf_counter() - tick)
+          metrics_file.write(
+            json.dumps({"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate})
+            + "\n"
+          )
+          metrics_file.flush()
+        if primary and not args.no_progress:
+          bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
+        if args.steps is not None and step >= args.steps:
+          break
+      jax.block_until_ready(state)
+      if epoch > 0:  # the first epoch includes compilation
+        train_time += time.perf_counter() - start
+        examples += steps_per_epoch * args.batch_size
+      say(f"epoch {epoch + 1}: loss {float(losses[-1]):.4f}")
+      if args.steps is not None and step >= args.steps:
+        break
+    accuracy = _accuracy(trainer, state, data.eval_images, data.eval_labels, args.batch_size, rows)
+    if metrics_file is not None:
+      metrics_file.write(json.dumps({"step": step, "eval_accuracy": accuracy}) + "\n")
+  finally:
+    if metrics_file is not None:
+      metrics_file.close()
   rate = examples / train_time if train_time else float("nan")
-  print(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
-  print(
+  say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
+  say(
     f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
-    f"{len(devices)} {devices[0].platform} devices"
+    f"{jax.device_count()} {devices[0].platform} devices"
   )
-  print(f"mesh: {dict(trainer.mesh.shape)}")
+  say(f"mesh: {dict(trainer.mesh.shape)}")
+  del np
   return {"accuracy": accuracy, "losses": [float(x) for x in losses], "state": state}
 
 

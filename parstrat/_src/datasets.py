@@ -191,6 +191,30 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
   return load_sample()
 
 
+def batch_indices(
+  num_examples: int, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True
+) -> Iterator[np.ndarray]:
+  """Yields the example indices of each full global batch, in a deterministic order.
+
+  The order depends only on the seed, the epoch and the global batch size, so
+  it is the same for any device or process count; the last partial batch is
+  dropped. A process can then load just its own rows of each batch.
+
+  Raises:
+    ValueError: if `batch_size` is not positive or exceeds the data.
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+  if batch_size > num_examples:
+    raise ValueError(f"batch_size={batch_size} exceeds the {num_examples} examples available.")
+  order = np.random.default_rng([seed, epoch]).permutation(num_examples) if shuffle else None
+  for start in range(0, num_examples - batch_size + 1, batch_size):
+    if order is None:
+      yield np.arange(start, start + batch_size)
+    else:
+      yield order[start : start + batch_size]
+
+
 def batches(
   images: np.ndarray,
   labels: np.ndarray,
@@ -200,20 +224,6 @@ def batches(
   epoch: int,
   shuffle: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """Yields full global batches in a deterministic order for `(seed, epoch)`.
-
-  The order depends only on the seed, the epoch and the global batch size, so
-  it is the same for any device count; the last partial batch is dropped.
-
-  Raises:
-    ValueError: if `batch_size` is not positive or exceeds the data.
-  """
-  n = len(labels)
-  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-  if batch_size > n:
-    raise ValueError(f"batch_size={batch_size} exceeds the {n} examples available.")
-  order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-  for start in range(0, n - batch_size + 1, batch_size):
-    index = order[start : start + batch_size]
+  """Yields full global batches `(images, labels)` in `batch_indices` order."""
+  for index in batch_indices(len(labels), batch_size, seed=seed, epoch=epoch, shuffle=shuffle):
     yield images[index], labels[index]

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import checks
+from parstrat._src import distributed
 
 Params = Any  # a pytree in the model's own (Haiku) layout
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -384,7 +385,10 @@ class Trainer:
     param_shardings = self._shardings(plan.param_spec)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
     # the (slow to compile) initialiser; the re-layout is a program of its own.
-    params = jax.jit(self.model.init)(rng, sample)
+    if jax.process_count() == 1:
+      params = jax.jit(self.model.init)(rng, sample)
+    else:  # every process computes the same replicated params on the global mesh
+      params = jax.jit(self.model.init, out_shardings=self._replicated)(rng, sample)
     stored = jax.jit(plan.to_stored, out_shardings=param_shardings)(params)
     # Optimizer-state leaves that mirror a parameter get that parameter's
     # sharding; counters and other non-parameter leaves are replicated.
@@ -477,11 +481,28 @@ class Trainer:
         f"({detail}), got {batch}."
       )
 
+  def local_batch_rows(self, global_batch: int) -> slice:
+    """The rows of each global batch that this process loads and passes to `step`.
+
+    With one process that is every row. With several (multi-controller JAX),
+    each process passes only its rows to `step` and `apply`, and the global
+    batch is assembled with `jax.make_array_from_process_local_data`.
+    """
+    return distributed.local_rows(self._batch_sharding(), global_batch)
+
+  def _to_global(self, value: Any) -> Any:
+    if jax.process_count() == 1 or (
+      isinstance(value, jax.Array) and not value.is_fully_addressable
+    ):
+      return value
+    return jax.make_array_from_process_local_data(self._batch_sharding(), np.asarray(value))
+
   def _check_batch(self, batch: Any) -> tuple[Any, Any]:
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
       raise TypeError(f"A batch is a pair (images, labels), got {type(batch).__name__}.")
-    x = self._check_inputs(batch[0], "images")
-    y = _as_array("labels", batch[1])
+    self.plan  # noqa: B018 - raises a clear error before init
+    x = self._check_inputs(self._to_global(batch[0]), "images")
+    y = _as_array("labels", self._to_global(batch[1]))
     if y.ndim < 1 or y.shape[0] != x.shape[0]:
       raise ValueError(
         f"labels must have a leading axis of {x.shape[0]} (one per image), "
@@ -553,7 +574,8 @@ class Trainer:
     Returns:
       The logits, `[B, ...]`, split over the mesh like the inputs.
     """
-    x = self._check_inputs(inputs, "inputs")
+    self.plan  # noqa: B018 - raises a clear error before init
+    x = self._check_inputs(self._to_global(inputs), "inputs")
     x = jax.device_put(x, self._batch_sharding())
     return self._compiled_apply(state.params, x)
 
