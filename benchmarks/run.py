@@ -15,7 +15,8 @@ Times are medians of repeated steps after a warm-up; ratios compare programs
 measured in the same run, which is all that virtual CPU devices (all sharing
 this machine's cores) can honestly support.
 
-Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--json out.json]
+Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--json benchmarks/results.json]
+(also writes the charts beside the JSON: results_strategies.png, results_scaling_bubble.png)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import time
 
@@ -197,66 +199,109 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-def run_data_parallel(results, repeats):
+WIDTH, LAYERS, BATCH = 512, 4, 256
+
+
+def _temp_bytes(lowered) -> int:
+  return int(lowered.compile().memory_analysis().temp_size_in_bytes)
+
+
+def _row(step, state, batches, repeats, lower=None):
+  row, state = timed(step, state, batches, repeats)
+  row["examples_per_s"] = BATCH / row["median_s"]
+  row["param_opt_bytes_per_device"] = bytes_per_device(state)
+  if lower is not None:
+    row["temp_bytes"] = _temp_bytes(lower(state))
+  return row
+
+
+def run_strategies(results, repeats):
+  """Every strategy and reference on one model (512 -> 4 x Linear(512)) and global batch."""
   n = ARGS.devices
-  model = mlp([512, 10])
-  batch = 64 * n
-  images, labels = parstrat.testing.random_batches(4, batch)
+  model = mlp([WIDTH] * LAYERS)
+  images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
   batches = list(zip(images, labels, strict=True))
   optimizer = optax.adam(LR)
   params = jax.jit(model.init)(jax.random.key(0), images[0][:1])
   rows = {}
+
   step, state, put = jit_reference(model, optimizer, params)
-  rows["jit (1 device)"], _ = timed(step, state, [put(b) for b in batches], repeats)
+  placed = [put(b) for b in batches]
+  rows["jit, 1 device"] = _row(step, state, placed, repeats, lambda s: step.lower(s, placed[0]))
   step, state, put = pmap_reference(model, optimizer, params, n)
-  rows[f"pmap by hand ({n})"], _ = timed(step, state, [put(b) for b in batches], repeats)
-  trainer = parstrat.DataParallel(data=n)(model, optimizer)
-  step, state = parstrat_step(trainer, images[0][:1])
-  rows[f"data_parallel ({n})"], state = timed(step, state, batches, repeats)
-  rows[f"data_parallel ({n})"]["param_opt_bytes_per_device"] = bytes_per_device(state)
-  for row in rows.values():
-    row["examples_per_s"] = batch / row["median_s"]
-  results["data_parallel"] = {
-    "model": "784-512-10 swish, adam",
-    "global_batch": batch,
-    "rows": rows,
-    "ratio_data_parallel_vs_pmap": rows[f"data_parallel ({n})"]["median_s"]
-    / rows[f"pmap by hand ({n})"]["median_s"],
+  placed = [put(b) for b in batches]
+  rows[f"pmap by hand, {n}"] = _row(
+    step, state, placed, repeats, lambda s: step.lower(s, placed[0])
+  )
+  step, state, put = shard_map_gpipe_reference(WIDTH, LAYERS, 8, optimizer)
+  placed = [put(b) for b in batches]
+  rows["shard_map GPipe by hand, P4 M8"] = _row(
+    step, state, placed, repeats, lambda s: step.lower(s, placed[0])
+  )
+  configs = {
+    f"data_parallel, {n}": parstrat.DataParallel(data=n),
+    "pipeline gpipe, P4 M8": parstrat.PipelineModelParallel(
+      stages=4, microbatches=8, schedule="gpipe"
+    ),
+    "pipeline 1f1b, P4 M8": parstrat.PipelineModelParallel(
+      stages=4, microbatches=8, schedule="1f1b"
+    ),
+    "hybrid 2x4, M4": parstrat.Hybrid(data=2, stages=4, microbatches=4),
   }
-
-
-def run_pipeline(results, repeats):
-  width, stages, microbatches = 512, 4, 8
-  batch = 256
-  model = mlp([width] * stages)
-  images, labels = parstrat.testing.random_batches(4, batch, features=width, classes=width)
-  batches = list(zip(images, labels, strict=True))
-  optimizer = optax.adam(LR)
-  params = jax.jit(model.init)(jax.random.key(0), images[0][:1])
-  rows = {}
-  step, state, put = jit_reference(model, optimizer, params)
-  rows["jit (1 device)"], _ = timed(step, state, [put(b) for b in batches], repeats)
-  step, state, put = shard_map_gpipe_reference(width, stages, microbatches, optimizer)
-  rows["shard_map GPipe by hand"], _ = timed(step, state, [put(b) for b in batches], repeats)
-  for schedule in ("gpipe", "1f1b"):
-    trainer = parstrat.PipelineModelParallel(
-      stages=stages, microbatches=microbatches, schedule=schedule
-    )(model, optimizer)
+  for name, strategy in configs.items():
+    trainer = strategy(model, optimizer)
     step, state = parstrat_step(trainer, images[0][:1])
-    name = f"pipeline {schedule}"
-    rows[name], state = timed(step, state, batches, repeats)
-    rows[name]["param_opt_bytes_per_device"] = bytes_per_device(state)
-  trainer = parstrat.Hybrid(data=2, stages=stages, microbatches=microbatches // 2)(model, optimizer)
-  step, state = parstrat_step(trainer, images[0][:1])
-  rows["hybrid 2x4"], _ = timed(step, state, batches, repeats)
-  for row in rows.values():
-    row["examples_per_s"] = batch / row["median_s"]
-  results["pipeline"] = {
-    "model": f"{width}-{width}x{stages} swish, adam; P={stages}, M={microbatches}",
-    "global_batch": batch,
+    rows[name] = _row(step, state, batches, repeats, lambda s, t=trainer: t.lower(s, batches[0]))
+    if name.startswith(("pipeline", "hybrid")):
+      schedule = parstrat.pipeline.build_schedule(strategy.schedule, 4, strategy.microbatches)
+      rows[name]["bubble_scheduled"] = schedule.bubble_fraction()
+      rows[name]["bubble_theory"] = schedule.theoretical_bubble()
+  results["strategies"] = {
+    "model": f"{WIDTH} -> {LAYERS} x Linear({WIDTH}), swish, Adam",
+    "global_batch": BATCH,
     "rows": rows,
-    "bubble_theory": parstrat.pipeline.theoretical_bubble(stages, microbatches),
+    "ratio_data_parallel_vs_pmap": rows[f"data_parallel, {n}"]["median_s"]
+    / rows[f"pmap by hand, {n}"]["median_s"],
+    "ratio_pipeline_1f1b_vs_hand_gpipe": rows["pipeline 1f1b, P4 M8"]["median_s"]
+    / rows["shard_map GPipe by hand, P4 M8"]["median_s"],
   }
+
+
+def run_scaling(results, repeats):
+  """Examples/s against device count, data parallel and pipeline, same global batch."""
+  model = mlp([WIDTH] * LAYERS)
+  images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
+  batches = list(zip(images, labels, strict=True))
+  out = {"data_parallel": {}, "pipeline 1f1b": {}}
+  for count in (1, 2, 4, 8):
+    if count > ARGS.devices:
+      continue
+    trainer = parstrat.DataParallel(data=count)(model, optax.adam(LR))
+    step, state = parstrat_step(trainer, images[0][:1])
+    out["data_parallel"][count] = _row(step, state, batches, repeats)["examples_per_s"]
+    if count <= LAYERS:
+      trainer = parstrat.PipelineModelParallel(stages=count, microbatches=8)(model, optax.adam(LR))
+      step, state = parstrat_step(trainer, images[0][:1])
+      out["pipeline 1f1b"][count] = _row(step, state, batches, repeats)["examples_per_s"]
+  results["scaling"] = out
+
+
+def run_bubble(results, repeats):
+  """Pipeline bubble against microbatches at P=4: theory, the executed table, step time."""
+  model = mlp([WIDTH] * LAYERS)
+  images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
+  batches = list(zip(images, labels, strict=True))
+  out = {}
+  for m in (1, 2, 4, 8, 16, 32):
+    schedule = parstrat.pipeline.build_schedule("1f1b", 4, m)
+    trainer = parstrat.PipelineModelParallel(stages=4, microbatches=m)(model, optax.adam(LR))
+    step, state = parstrat_step(trainer, images[0][:1])
+    out[m] = {
+      "theory": schedule.theoretical_bubble(),
+      "scheduled": schedule.bubble_fraction(),
+      "median_s": _row(step, state, batches, max(5, repeats // 3))["median_s"],
+    }
+  results["bubble_P4"] = out
 
 
 def run_memory(results):
@@ -272,44 +317,125 @@ def run_memory(results):
     analysis = trainer.lower(state, (images[0], labels[0])).compile().memory_analysis()
     out[schedule] = {
       "temp_bytes": int(analysis.temp_size_in_bytes),
-      "argument_bytes": int(analysis.argument_size_in_bytes),
       "param_opt_bytes_per_device": bytes_per_device(state),
-      "activation_slots": trainer.plan.description.split("ticks, ")[1].split(",")[-1].strip(),
+      "activation_slots": parstrat.pipeline.build_schedule(
+        schedule, stages, microbatches
+      ).num_act_slots,
     }
   results["memory_P4_M16"] = {"global_batch": batch, "rows": out}
+
+
+def draw_charts(results, prefix):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = results["strategies"]["rows"]
+  names = list(rows)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), dpi=110)
+  ms = [1e3 * rows[k]["median_s"] for k in names]
+  iqr = [1e3 * rows[k]["iqr_s"] / 2 for k in names]
+  axes[0].barh(names, ms, xerr=iqr, color="#4C72B0")
+  axes[0].invert_yaxis()
+  axes[0].set_xlabel("median step time, ms (IQR bars)")
+  axes[0].set_title("step time, same model and global batch")
+  mib = 2**20
+  params = [rows[k]["param_opt_bytes_per_device"] / mib for k in names]
+  temps = [rows[k].get("temp_bytes", 0) / mib for k in names]
+  axes[1].barh(names, params, color="#55A868", label="params + optimizer")
+  axes[1].barh(names, temps, left=params, color="#C44E52", label="compiled temporaries")
+  axes[1].invert_yaxis()
+  axes[1].set_yticklabels([])
+  axes[1].set_xlabel("MiB per device")
+  axes[1].set_title("memory per device")
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(f"{prefix}_strategies.png")
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), dpi=110)
+  for name, series in results["scaling"].items():
+    counts = sorted(int(c) for c in series)
+    axes[0].plot(counts, [series[c] for c in counts], marker="o", label=name)
+  axes[0].set_xscale("log", base=2)
+  axes[0].set_xlabel("devices (virtual CPU devices sharing the cores)")
+  axes[0].set_ylabel("examples/s")
+  axes[0].set_title("scaling with device count")
+  axes[0].legend(fontsize=8)
+  bubble = results["bubble_P4"]
+  ms_ = sorted(int(m) for m in bubble)
+  axes[1].plot(ms_, [bubble[m]["theory"] for m in ms_], "k--", label="theory (P-1)/(M+P-1)")
+  axes[1].plot(ms_, [bubble[m]["scheduled"] for m in ms_], "o", label="idle share of the table")
+  axes[1].set_xscale("log", base=2)
+  axes[1].set_xlabel("microbatches M (P = 4, 1f1b)")
+  axes[1].set_ylabel("bubble fraction")
+  twin = axes[1].twinx()
+  twin.plot(ms_, [1e3 * bubble[m]["median_s"] for m in ms_], color="#DD8452", marker="s",
+            label="step time")  # fmt: skip
+  twin.set_ylabel("median step time, ms", color="#DD8452")
+  axes[1].set_title("pipeline bubble vs microbatches")
+  axes[1].legend(fontsize=8, loc="upper center")
+  fig.tight_layout()
+  fig.savefig(f"{prefix}_scaling_bubble.png")
+  plt.close(fig)
 
 
 def main():
   results = {
     "machine": f"{platform.machine()}, {jax.device_count()} virtual {jax.devices()[0].platform} "
-    f"devices on {__import__('os').cpu_count()} cores, jax {jax.__version__}",
+    f"devices on {os.cpu_count()} cores, jax {jax.__version__}",
     "repeats": ARGS.repeats,
   }
-  run_data_parallel(results, ARGS.repeats)
-  run_pipeline(results, ARGS.repeats)
+  run_strategies(results, ARGS.repeats)
+  run_scaling(results, ARGS.repeats)
+  run_bubble(results, ARGS.repeats)
   run_memory(results)
+  block = results["strategies"]
   print(f"machine: {results['machine']}")
-  for section in ("data_parallel", "pipeline"):
-    block = results[section]
-    print(f"\n{section}: {block['model']}, global batch {block['global_batch']}")
-    print(f"{'':28} {'median ms':>10} {'IQR ms':>8} {'examples/s':>11} {'first step s':>13}")
-    for name, row in block["rows"].items():
-      print(
-        f"{name:28} {1e3 * row['median_s']:10.2f} {1e3 * row['iqr_s']:8.2f} "
-        f"{row['examples_per_s']:11,.0f} {row['first_step_s']:13.2f}"
-      )
-  dp = results["data_parallel"]["ratio_data_parallel_vs_pmap"]
-  print(f"\ndata_parallel / hand-written pmap step time: {dp:.3f}")
-  print(f"pipeline bubble (theory, P=4, M=8): {results['pipeline']['bubble_theory']:.3f}")
-  print("\nmemory at P=4, M=16 (per device):")
+  print(f"model: {block['model']}, global batch {block['global_batch']}")
+  header = (
+    f"{'':32} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'1st step s':>10} "
+    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble':>13}"
+  )
+  print(header)
+  for name, row in block["rows"].items():
+    bubble = (
+      f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f})"
+      if "bubble_scheduled" in row
+      else ""
+    )
+    print(
+      f"{name:32} {1e3 * row['median_s']:9.2f} {1e3 * row['iqr_s']:7.2f} "
+      f"{row['examples_per_s']:7,.0f} {row['first_step_s']:10.2f} "
+      f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
+      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>13}"
+    )
+  print(
+    f"\ndata_parallel / hand-written pmap step time: {block['ratio_data_parallel_vs_pmap']:.3f}"
+  )
+  print(
+    "pipeline 1f1b / hand-written shard_map GPipe step time: "
+    f"{block['ratio_pipeline_1f1b_vs_hand_gpipe']:.3f}"
+  )
+  print("\nscaling (examples/s):")
+  for name, series in results["scaling"].items():
+    print(f"  {name:14} " + "  ".join(f"{c} dev: {v:,.0f}" for c, v in series.items()))
+  print("\nbubble at P=4 (1f1b): M, theory, idle share of the table, median step ms")
+  for m, row in results["bubble_P4"].items():
+    print(f"  M={m:<3} {row['theory']:.3f}  {row['scheduled']:.3f}  {1e3 * row['median_s']:.2f}")
+  print("\nmemory at P=4, M=16, global batch 2048 (per device):")
   for schedule, row in results["memory_P4_M16"]["rows"].items():
     print(
       f"  {schedule:6} temp {row['temp_bytes'] / 2**20:8.2f} MiB, params+opt "
-      f"{row['param_opt_bytes_per_device'] / 2**20:.2f} MiB"
+      f"{row['param_opt_bytes_per_device'] / 2**20:.2f} MiB, "
+      f"{row['activation_slots']} activation slots"
     )
   with open(ARGS.json, "w") as f:
     json.dump(results, f, indent=2)
-  print(f"\nwrote {ARGS.json}")
+  prefix = os.path.splitext(ARGS.json)[0]
+  draw_charts(results, prefix)
+  print(f"\nwrote {ARGS.json}, {prefix}_strategies.png, {prefix}_scaling_bubble.png")
 
 
 if __name__ == "__main__":

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +115,31 @@ def test_list_shows_every_strategy_with_axes(capsys):
   assert "data_parallel    axes: data" in out
   assert "pipeline         axes: stage" in out
   assert "hybrid           axes: data, stage" in out
+
+
+def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path):
+  out = _run(
+    "train", "--compare", "data_parallel,pipeline,hybrid", "--data", "2", "--stages", "2",
+    "--hidden", "64", "64", "--epochs", "1", "--steps", "4", "--batch-size", "64",
+    "--source", "sample", "--no-progress", "--out", str(tmp_path),
+  )  # fmt: skip
+  assert out.returncode == 0, out.stderr
+  assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
+  losses = {}
+  for name in ("data_parallel", "pipeline", "hybrid"):
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    losses[name] = [r["loss"] for r in rows if "loss" in r]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert all(r["examples_per_s"] > 0 for r in rows if "loss" in r)
+    assert 0.0 <= [r for r in rows if "eval_accuracy" in r][0]["eval_accuracy"] <= 1.0
+  assert losses["pipeline"] == pytest.approx(losses["data_parallel"], rel=1e-5)
+  assert losses["hybrid"] == pytest.approx(losses["data_parallel"], rel=1e-5)
+
+
+def test_same_flags_print_the_same_losses():
+  args = ("train", "--epochs", "1", "--steps", "3", "--batch-size", "64", "--source", "sample",
+          "--no-progress", "--hidden", "64")  # fmt: skip
+  first, second = _run(*args), _run(*args)
+  assert first.returncode == 0 and second.returncode == 0
+  pick = lambda text: [x for x in text.splitlines() if x.startswith(("epoch", "eval"))]  # noqa: E731
+  assert pick(first.stdout) and pick(first.stdout) == pick(second.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
   train.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
+  train.add_argument(
+    "--out", default=None, help="run directory: metrics.jsonl and a report.png of the curves"
+  )
+  train.add_argument(
+    "--compare",
+    default=None,
+    help="comma-separated strategies to train one after the other and overlay in compare.png",
+  )
   multi = train.add_argument_group(
     "multi-process", "run one process per host (JAX's own cluster detection works too)"
   )
@@ -101,12 +110,21 @@ def _setup_devices(count: int) -> None:
     pass  # the backend already runs (parstrat called from Python): use its devices
 
 
-def _strategy_config(args: argparse.Namespace) -> dict:
+def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> dict:
+  """The strategy flags given on the command line; with --compare, only those it takes."""
+  import dataclasses
+
+  import parstrat
+
   config = {}
   for key in ("data", "stages", "microbatches", "schedule"):
     value = getattr(args, key)
     if value is not None:
       config[key] = value
+  if compare:
+    cls = parstrat._src.registry.lookup(name)
+    options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    config = {k: v for k, v in config.items() if k in options}
   return config
 
 
@@ -153,8 +171,6 @@ def train(args: argparse.Namespace) -> dict:
   import haiku as hk
   import jax
   import numpy as np
-  import optax
-  from tqdm import tqdm
 
   import parstrat
   from parstrat._src import datasets
@@ -166,21 +182,58 @@ def train(args: argparse.Namespace) -> dict:
     if args.devices > len(devices):
       raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
     devices = devices[: args.devices]
-  try:
-    strategy = parstrat.get(args.strategy, devices=devices, **_strategy_config(args))
-    strategy.make_mesh()  # fail on an impossible mesh before loading any data
-  except KeyError as e:
-    raise UsageError(e.args[0]) from None
-  except (TypeError, ValueError) as e:
-    raise UsageError(str(e)) from None
+  names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
+  strategies = {}
+  for name in names:
+    try:
+      strategies[name] = parstrat.get(
+        name, devices=devices, **_strategy_config(args, name, compare=bool(args.compare))
+      )
+      strategies[name].make_mesh()  # fail on an impossible mesh before loading any data
+    except KeyError as e:
+      raise UsageError(e.args[0]) from None
+    except (TypeError, ValueError) as e:
+      raise UsageError(str(e)) from None
 
   widths = [*args.hidden, 10]
   model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
   data = datasets.load_mnist(args.source, data_dir=args.data_dir, log=say)
   say(f"data: {data}")
+  if len(data.train_labels) // args.batch_size < 1:
+    raise UsageError(
+      f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
+    )
+  out = pathlib.Path(args.out) if args.out else None
+  runs = {}
+  for name, strategy in strategies.items():
+    metrics_path = args.metrics
+    if out is not None:
+      metrics_path = out / name / "metrics.jsonl" if args.compare else out / "metrics.jsonl"
+      if primary:
+        metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    runs[name] = _train_one(args, strategy, model, data, metrics_path if primary else None, say)
+  if out is not None and primary:
+    from parstrat._src import report
+
+    picture = out / ("compare.png" if args.compare else "report.png")
+    report.draw_training_report({n: r["records"] for n, r in runs.items()}, picture)
+    say(f"report: {picture}")
+  del np
+  return runs
+
+
+def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
+  """Trains one strategy; writes one JSON line per step and per epoch's eval."""
+  import jax
+  import optax
+  from tqdm import tqdm
+
+  from parstrat._src import datasets
+
   try:
     trainer = strategy(model, optax.adam(args.lr))
     state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
+    rows = trainer.local_batch_rows(args.batch_size)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
   say(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
@@ -189,19 +242,19 @@ def train(args: argparse.Namespace) -> dict:
   if trainer.plan.description:
     say(trainer.plan.description)
   steps_per_epoch = len(data.train_labels) // args.batch_size
-  if steps_per_epoch < 1:
-    raise UsageError(
-      f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
-    )
-  try:
-    rows = trainer.local_batch_rows(args.batch_size)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
-  metrics_file = open(args.metrics, "w") if (args.metrics and primary) else None  # noqa: SIM115
-  losses = []
+  records = []
+  metrics_file = open(metrics_path, "w") if metrics_path else None  # noqa: SIM115
+
+  def record(row: dict) -> None:
+    records.append(row)
+    if metrics_file is not None:
+      metrics_file.write(json.dumps(row) + "\n")
+      metrics_file.flush()
+
   examples = 0
   train_time = 0.0
   step = 0
+  accuracy = float("nan")
   try:
     for epoch in range(args.epochs):
       order = datasets.batch_indices(
@@ -211,7 +264,7 @@ def train(args: argparse.Namespace) -> dict:
         order,
         total=steps_per_epoch,
         desc=f"epoch {epoch + 1}/{args.epochs}",
-        disable=args.no_progress or not primary,
+        disable=args.no_progress or metrics_path is None and not jax.process_index() == 0,
         leave=True,
       )
       start = time.perf_counter()
@@ -223,29 +276,24 @@ def train(args: argparse.Namespace) -> dict:
         except (TypeError, ValueError) as e:
           raise UsageError(str(e)) from None
         step += 1
-        losses.append(metrics["loss"])
-        if metrics_file is not None:
-          loss = float(metrics["loss"])
-          rate = args.batch_size / (time.perf_counter() - tick)
-          metrics_file.write(
-            json.dumps({"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate})
-            + "\n"
-          )
-          metrics_file.flush()
-        if primary and not args.no_progress:
-          bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", refresh=False)
+        loss = float(metrics["loss"])
+        rate = args.batch_size / (time.perf_counter() - tick)
+        record({"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate})
+        if not args.no_progress:
+          bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if args.steps is not None and step >= args.steps:
           break
       jax.block_until_ready(state)
       if epoch > 0:  # the first epoch includes compilation
         train_time += time.perf_counter() - start
         examples += steps_per_epoch * args.batch_size
-      say(f"epoch {epoch + 1}: loss {float(losses[-1]):.4f}")
+      accuracy = _accuracy(
+        trainer, state, data.eval_images, data.eval_labels, args.batch_size, rows
+      )
+      record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
+      say(f"epoch {epoch + 1}: loss {loss:.4f}, eval accuracy {accuracy:.4f}")
       if args.steps is not None and step >= args.steps:
         break
-    accuracy = _accuracy(trainer, state, data.eval_images, data.eval_labels, args.batch_size, rows)
-    if metrics_file is not None:
-      metrics_file.write(json.dumps({"step": step, "eval_accuracy": accuracy}) + "\n")
   finally:
     if metrics_file is not None:
       metrics_file.close()
@@ -253,11 +301,10 @@ def train(args: argparse.Namespace) -> dict:
   say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
   say(
     f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
-    f"{jax.device_count()} {devices[0].platform} devices"
+    f"{jax.device_count()} {jax.devices()[0].platform} devices"
   )
   say(f"mesh: {dict(trainer.mesh.shape)}")
-  del np
-  return {"accuracy": accuracy, "losses": [float(x) for x in losses], "state": state}
+  return {"accuracy": accuracy, "records": records, "state": state}
 
 
 def schedule(args: argparse.Namespace) -> None:
