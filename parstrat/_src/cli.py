@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import sys
@@ -14,6 +15,10 @@ DEFAULT_DEVICES = 8
 
 class UsageError(Exception):
   """A bad command line; reported in one line with exit code 2."""
+
+
+class TrainingError(Exception):
+  """Training cannot go on (e.g. non-finite numbers); one line, exit code 1."""
 
 
 def _positive(text: str) -> int:
@@ -65,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
+  train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
+  train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
+  train.add_argument("--keep", type=_positive, default=3, help="checkpoints to keep")
+  train.add_argument(
+    "--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir"
+  )
+  train.add_argument(
+    "--stop-on-nonfinite",
+    action="store_true",
+    help="stop at a NaN/inf loss or gradient (default: skip that update and count it)",
+  )
   train.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
   train.add_argument(
     "--out", default=None, help="run directory: metrics.jsonl and a report.png of the curves"
@@ -222,6 +238,15 @@ def train(args: argparse.Namespace) -> dict:
   return runs
 
 
+def strategy_name(strategy) -> str:
+  import parstrat
+
+  for name in parstrat.available():
+    if type(strategy) is parstrat._src.registry.lookup(name):
+      return name
+  return type(strategy).__name__
+
+
 def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
   """Trains one strategy; writes one JSON line per step and per epoch's eval."""
   import jax
@@ -231,7 +256,7 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
   from parstrat._src import datasets
 
   try:
-    trainer = strategy(model, optax.adam(args.lr))
+    trainer = strategy(model, optax.adam(args.lr), skip_nonfinite=not args.stop_on_nonfinite)
     state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
     rows = trainer.local_batch_rows(args.batch_size)
   except (TypeError, ValueError) as e:
@@ -254,17 +279,53 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
   examples = 0
   train_time = 0.0
   step = 0
+  skipped: list[int] = []
   accuracy = float("nan")
+  ckpt = None
+  first_epoch, skip_batches = 0, 0
+  if args.checkpoint_dir:
+    from parstrat._src.checkpoint import Checkpointer
+
+    directory = pathlib.Path(args.checkpoint_dir)
+    if args.compare:
+      directory = directory / strategy_name(strategy)
+    ckpt = Checkpointer(directory, save_every=args.save_every or 10**9, keep=args.keep)
+    if args.resume:
+      if ckpt.latest_step() is None:
+        raise UsageError(f"--resume: no checkpoint in {directory}")
+      state, meta = ckpt.restore(trainer)
+      if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
+        raise UsageError(
+          f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
+          f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
+        )
+      step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
+      say(
+        f"resumed from {directory} at step {step} (epoch {first_epoch + 1}, batch {skip_batches})"
+      )
+
+  def position(epoch: int, batch: int) -> dict:
+    if batch == steps_per_epoch:
+      epoch, batch = epoch + 1, 0
+    return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
+            "batch_size": args.batch_size}  # fmt: skip
+
   try:
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
+      if args.steps is not None and step >= args.steps:
+        break
       order = datasets.batch_indices(
         len(data.train_labels), args.batch_size, seed=args.seed, epoch=epoch
       )
+      if epoch == first_epoch and skip_batches:
+        order = itertools.islice(order, skip_batches, None)
+      batch_in_epoch = skip_batches if epoch == first_epoch else 0
       bar = tqdm(
         order,
         total=steps_per_epoch,
         desc=f"epoch {epoch + 1}/{args.epochs}",
-        disable=args.no_progress or metrics_path is None and not jax.process_index() == 0,
+        initial=batch_in_epoch,
+        disable=args.no_progress or jax.process_index() != 0,
         leave=True,
       )
       start = time.perf_counter()
@@ -278,13 +339,25 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
         step += 1
         loss = float(metrics["loss"])
         rate = args.batch_size / (time.perf_counter() - tick)
-        record({"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate})
+        row = {"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate}
+        if not bool(metrics["finite"]):
+          if args.stop_on_nonfinite:
+            raise TrainingError(
+              f"step {step} (epoch {epoch + 1}): the loss or gradients are not finite "
+              f"(loss {loss}); stopping before the update"
+            )
+          skipped.append(step)
+          row["skipped"] = True
+        record(row)
+        batch_in_epoch += 1
+        if ckpt is not None:
+          ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step)
         if not args.no_progress:
           bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if args.steps is not None and step >= args.steps:
           break
       jax.block_until_ready(state)
-      if epoch > 0:  # the first epoch includes compilation
+      if epoch > first_epoch:  # the first epoch includes compilation
         train_time += time.perf_counter() - start
         examples += steps_per_epoch * args.batch_size
       accuracy = _accuracy(
@@ -294,9 +367,13 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
       say(f"epoch {epoch + 1}: loss {loss:.4f}, eval accuracy {accuracy:.4f}")
       if args.steps is not None and step >= args.steps:
         break
+    if ckpt is not None:
+      ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
     if metrics_file is not None:
       metrics_file.close()
+    if ckpt is not None:
+      ckpt.close()
   rate = examples / train_time if train_time else float("nan")
   say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
   say(
@@ -304,7 +381,9 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
     f"{jax.device_count()} {jax.devices()[0].platform} devices"
   )
   say(f"mesh: {dict(trainer.mesh.shape)}")
-  return {"accuracy": accuracy, "records": records, "state": state}
+  if skipped:
+    say(f"skipped {len(skipped)} update(s) with non-finite loss or gradients: steps {skipped}")
+  return {"accuracy": accuracy, "records": records, "state": state, "skipped": skipped}
 
 
 def schedule(args: argparse.Namespace) -> None:
@@ -350,4 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except UsageError as e:
     print(f"parstrat {args.command}: error: {e}", file=sys.stderr)
     return 2
+  except TrainingError as e:
+    print(f"parstrat {args.command}: stopped: {e}", file=sys.stderr)
+    return 1
   return 0

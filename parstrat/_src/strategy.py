@@ -176,6 +176,7 @@ class Strategy(abc.ABC):
     optimizer: optax.GradientTransformation,
     *,
     loss_fn: LossFn | None = None,
+    skip_nonfinite: bool = False,
   ) -> Trainer:
     """Wraps `model` and `optimizer` into a `Trainer` on this strategy's mesh.
 
@@ -186,6 +187,9 @@ class Strategy(abc.ABC):
       loss_fn: `(logits, labels) -> scalar`, a *mean* over examples (it is
         averaged over devices and microbatches). Default: softmax
         cross-entropy on integer labels.
+      skip_nonfinite: when the loss or the gradient norm of a step is NaN or
+        infinite, keep the previous params and optimizer state (and step
+        count); `metrics["finite"]` says whether the update was applied.
 
     Returns:
       A `Trainer`.
@@ -194,7 +198,7 @@ class Strategy(abc.ABC):
       TypeError: if `model`, `optimizer` or `loss_fn` are of the wrong kind.
       ValueError: if the mesh does not fit the available devices.
     """
-    return Trainer(self, model, optimizer, loss_fn=loss_fn)
+    return Trainer(self, model, optimizer, loss_fn=loss_fn, skip_nonfinite=skip_nonfinite)
 
   def __repr__(self) -> str:
     shown = []
@@ -317,6 +321,7 @@ class Trainer:
     optimizer: optax.GradientTransformation,
     *,
     loss_fn: LossFn | None = None,
+    skip_nonfinite: bool = False,
   ):
     _check_model(model)
     _check_optimizer(optimizer)
@@ -327,6 +332,7 @@ class Trainer:
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     self.uses_default_loss = loss_fn is None
+    self.skip_nonfinite = bool(skip_nonfinite)
     self.mesh = strategy.make_mesh()
     self._plan: Plan | None = None
     self._input_shape: tuple[int, ...] | None = None
@@ -408,9 +414,11 @@ class Trainer:
     self._input_shape = tuple(sample.shape[1:])
     self._input_dtype = sample.dtype
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
+    self.__dict__.pop("_compiled_export", None)
     return state
 
   # ----------------------------------------------------------------- step
@@ -428,12 +436,19 @@ class Trainer:
     )
     optimizer = self.optimizer
 
+    skip_nonfinite = self.skip_nonfinite
+
     def train_step(state: TrainState, inputs, labels):
       loss, grads = grad_fn(state.params, inputs, labels)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      metrics = {"loss": loss, "grad_norm": optax.tree_utils.tree_norm(grads)}
-      return TrainState(state.step + 1, params, opt_state), metrics
+      grad_norm = optax.tree_utils.tree_norm(grads)
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      new_state = TrainState(state.step + 1, params, opt_state)
+      if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+      metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+      return new_state, metrics
 
     # Pinning the output shardings to the input's keeps the state a fixed
     # point, so the second step reuses the first step's program.
@@ -526,7 +541,9 @@ class Trainer:
         over the strategy's batch axes (and microbatches).
 
     Returns:
-      `(new_state, metrics)`, metrics `{"loss", "grad_norm"}` as device scalars.
+      `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
+      scalars (`finite` is False when the loss or gradients were NaN or infinite;
+      with `skip_nonfinite=True` that update was not applied).
 
     Raises:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
@@ -579,6 +596,56 @@ class Trainer:
     x = jax.device_put(x, self._batch_sharding())
     return self._compiled_apply(state.params, x)
 
+  # ----------------------------------------------------------------- layouts
+  def export_state(self, state: TrainState) -> dict[str, Any]:
+    """The state in the model's own layout, independent of the strategy.
+
+    Returns `{"step", "params", "opt_state"}`: params as `trainer.params` gives
+    them, and the optimizer state as `optimizer.init(params)` would lay it out.
+    Another trainer of the same model and optimizer, under any strategy and
+    mesh, resumes from it with `import_state`; checkpoints store this form.
+    """
+    return self._compiled_export(state)
+
+  @functools.cached_property
+  def _compiled_export(self):
+    plan = self.plan
+
+    def export(state: TrainState):
+      return {
+        "step": state.step,
+        "params": plan.to_params(state.params),
+        "opt_state": _map_param_like(state.opt_state, state.params, plan.to_params),
+      }
+
+    return jax.jit(export, out_shardings=self._replicated)
+
+  def import_state(self, exported: dict[str, Any]) -> TrainState:
+    """Places a state from `export_state` (of any strategy) with this trainer's layout.
+
+    Raises:
+      ValueError: if its params do not match this trainer's model.
+    """
+    plan = self.plan
+    params = exported["params"]
+    expected = jax.eval_shape(plan.to_params, self._abstract_state.params)
+    got_shapes = jax.tree.map(np.shape, params)
+    want_shapes = jax.tree.map(lambda x: x.shape, expected)
+    if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
+      got_shapes
+    ) != jax.tree.leaves(want_shapes):
+      raise ValueError(
+        "The saved params do not fit this model: saved "
+        f"{jax.tree.map(np.shape, params)}, expected {want_shapes}."
+      )
+
+    def place(exported):
+      stored = plan.to_stored(exported["params"])
+      opt_state = _map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
+      return TrainState(jnp.asarray(exported["step"], jnp.int32), stored, opt_state)
+
+    return jax.jit(place, out_shardings=self._state_shardings)(exported)
+
   # ----------------------------------------------------------------- params
   @functools.cached_property
   def _compiled_params(self):
@@ -590,6 +657,24 @@ class Trainer:
     `model.apply(trainer.params(state), None, x)` works without parstrat.
     """
     return self._compiled_params(state.params)
+
+
+def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
+  """Applies `fn` to every subtree of `tree` shaped like `like` (e.g. Adam's mu, nu)."""
+  like_structure = jax.tree.structure(like)
+  like_shapes = [np.shape(x) for x in jax.tree.leaves(like)]
+
+  def is_param_like(node) -> bool:
+    if node is None:
+      return False
+    return (
+      jax.tree.structure(node) == like_structure
+      and [np.shape(x) for x in jax.tree.leaves(node)] == like_shapes
+    )
+
+  return jax.tree.map(
+    lambda node: fn(node) if is_param_like(node) else node, tree, is_leaf=is_param_like
+  )
 
 
 def _as_array(what: str, value: Any):

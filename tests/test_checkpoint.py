@@ -1,0 +1,167 @@
+"""Checkpoints: exact resume, moves between strategies, atomic writes."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import haiku as hk
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import parstrat
+import parstrat.testing
+from parstrat.checkpoint import Checkpointer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+TRAIN = ["train", "--epochs", "3", "--batch-size", "400", "--source", "sample", "--no-progress",
+         "--hidden", "64"]  # fmt: skip
+
+
+def _cli(*args, timeout=300):
+  return subprocess.run(
+    [sys.executable, "-m", "parstrat", *TRAIN, *args],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=ENV,
+    cwd=ROOT,
+    check=False,
+  )
+
+
+def _read_without_parstrat(path):
+  """How a user reads a checkpoint with plain orbax, on any number of devices."""
+  checkpointer = ocp.StandardCheckpointer()
+  metadata = checkpointer.metadata(path).item_metadata.tree
+  target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), metadata)
+  return checkpointer.restore(path, target)
+
+
+def _losses(path):
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_stop_and_resume_is_bit_identical(tmp_path):
+  straight = _cli("--steps", "40", "--checkpoint-dir", str(tmp_path / "a"), "--save-every", "20",
+                  "--metrics", str(tmp_path / "a.jsonl"))  # fmt: skip
+  assert straight.returncode == 0, straight.stderr
+  first = _cli("--steps", "30", "--checkpoint-dir", str(tmp_path / "b"), "--save-every", "10",
+               "--metrics", str(tmp_path / "b1.jsonl"))  # fmt: skip
+  assert first.returncode == 0, first.stderr
+  resumed = _cli("--steps", "40", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                 "--metrics", str(tmp_path / "b2.jsonl"))  # fmt: skip
+  assert resumed.returncode == 0, resumed.stderr
+  assert "resumed from" in resumed.stdout and "at step 30 (epoch 2, batch 10)" in resumed.stdout
+  a, b2 = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b2.jsonl")
+  assert sorted(b2) == list(range(31, 41))
+  assert [b2[s] for s in range(31, 41)] == [a[s] for s in range(31, 41)]  # exactly equal
+  saved_a = _read_without_parstrat(tmp_path / "a" / "40" / "state")
+  saved_b = _read_without_parstrat(tmp_path / "b" / "40" / "state")
+  assert set(saved_a["params"]) == {"mlp/~/linear_0", "mlp/~/linear_1"}  # Haiku layout
+  for x, y in zip(jax.tree.leaves(saved_a), jax.tree.leaves(saved_b), strict=True):
+    np.testing.assert_array_equal(x, y)
+  assert sorted(int(p.name) for p in (tmp_path / "b").iterdir() if p.name.isdigit()) == [20, 30, 40]
+
+
+def test_resume_errors_are_one_line(tmp_path):
+  missing = _cli("--resume", "--checkpoint-dir", str(tmp_path / "none"))
+  assert missing.returncode == 2 and "--resume: no checkpoint in" in missing.stderr
+  assert _cli("--steps", "2", "--checkpoint-dir", str(tmp_path / "c")).returncode == 0
+  other_seed = _cli("--steps", "4", "--resume", "--checkpoint-dir", str(tmp_path / "c"),
+                    "--seed", "7")  # fmt: skip
+  assert (
+    other_seed.returncode == 2 and "written with --seed 0 --batch-size 400" in other_seed.stderr
+  )
+
+
+MODEL = hk.transform(lambda x: hk.nets.MLP([32, 24, 16, 10], activation=jax.nn.swish)(x))
+
+
+def test_a_checkpoint_moves_between_strategies_and_device_counts(tmp_path):
+  images, labels = parstrat.testing.random_batches(10, 32, features=20)
+  trainer = parstrat.DataParallel(data=8)(MODEL, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  for i in range(5):
+    state, _ = trainer.step(state, (images[i], labels[i]))
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.save(trainer, state, {"epoch": 0}, force=True)
+  expected = []
+  for i in range(5, 10):
+    state, metrics = trainer.step(state, (images[i], labels[i]))
+    expected.append(float(metrics["loss"]))
+  for strategy in (
+    parstrat.PipelineModelParallel(stages=4, microbatches=2),
+    parstrat.Hybrid(data=2, stages=4, microbatches=2),
+    parstrat.DataParallel(data=1),
+  ):
+    other = strategy(MODEL, optax.adam(1e-2))
+    restored = other.init(jax.random.key(1), images[0][:1])  # different init: overwritten
+    with Checkpointer(tmp_path) as ckpt:
+      restored, meta = ckpt.restore(other)
+    assert meta == {"epoch": 0} and int(restored.step) == 5
+    losses = []
+    for i in range(5, 10):
+      restored, metrics = other.step(restored, (images[i], labels[i]))
+      losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=repr(strategy))
+
+
+def test_keeps_the_last_n(tmp_path):
+  images, _ = parstrat.testing.random_batches(1, 8, features=20)
+  trainer = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with Checkpointer(tmp_path, save_every=2, keep=2) as ckpt:
+    for step in range(1, 8):
+      ckpt.save(trainer, state, {}, step=step)
+    assert ckpt.all_steps() == [4, 6]
+  with pytest.raises(ValueError, match="save_every and keep must be >= 1, got 0 and 3"):
+    Checkpointer(tmp_path, save_every=0)
+
+
+def _newest(directory) -> int:
+  steps = [int(p.name) for p in directory.glob("*") if p.name.isdigit()]
+  return max(steps, default=0)
+
+
+def test_killing_a_save_leaves_the_previous_checkpoint_readable(tmp_path):
+  directory = tmp_path / "ckpt"
+  for attempt in range(3):
+    proc = subprocess.Popen(
+      [sys.executable, "-m", "parstrat", "train", "--epochs", "50", "--batch-size", "400",
+       "--source", "sample", "--no-progress", "--hidden", "512", "512", "--devices", "2",
+       "--checkpoint-dir", str(directory), "--save-every", "1", "--keep", "2",
+       *(["--resume"] if attempt else [])],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+    )  # fmt: skip
+    before = _newest(directory)
+    try:
+      deadline = time.monotonic() + 120
+      while _newest(directory) < before + 2 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        time.sleep(0.05)
+      time.sleep(0.13 * (attempt + 1))  # land somewhere inside a later save
+      proc.send_signal(signal.SIGKILL)
+      proc.wait(timeout=30)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+    trainer = parstrat.DataParallel(data=2)(
+      hk.transform(lambda x: hk.nets.MLP([512, 512, 10], activation=jax.nn.swish)(x)),
+      optax.adam(1e-3),
+    )
+    trainer.init(jax.random.key(0), np.zeros((1, 784), np.float32))
+    with Checkpointer(directory) as ckpt:
+      latest = ckpt.latest_step()
+      assert latest is not None
+      state, meta = ckpt.restore(trainer)
+    assert meta["batches_seen"] == latest
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
