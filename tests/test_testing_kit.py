@@ -102,6 +102,14 @@ class RecompilesEveryStep(parstrat.Strategy):
 
 KIT = dict(steps=3, batch=16)
 
+#: Every built-in strategy, one line each, on a mesh of its own: the kit runs on each
+#: and a guard test fails if a registered built-in is missing here.
+CONFORMANCE = {
+  "data_parallel": parstrat.DataParallel(data=8),
+  "pipeline": parstrat.PipelineModelParallel(stages=2, microbatches=2),
+  "hybrid": parstrat.Hybrid(data=4, stages=2),
+}
+
 
 def test_catches_summed_gradients():
   with pytest.raises(AssertionError, match=r"with sgd does not match .*loss differs from step 2"):
@@ -138,16 +146,9 @@ def test_vma_checking_rejects_a_missing_reduction_at_trace_time():
     parstrat.testing.check_strategy(NoReduction(), **KIT)
 
 
-@pytest.mark.parametrize(
-  "strategy",
-  [
-    "data_parallel",
-    parstrat.PipelineModelParallel(stages=2, microbatches=2),
-    parstrat.Hybrid(data=4, stages=2),
-  ],
-)
-def test_passes_builtin_strategies(strategy):
-  reports = parstrat.testing.check_strategy(strategy, **KIT)
+@pytest.mark.parametrize("name", sorted(CONFORMANCE))
+def test_passes_builtin_strategies(name):
+  reports = parstrat.testing.check_strategy(CONFORMANCE[name], **KIT)
   assert all(r.max_loss_diff < 1e-5 for r in reports)
 
 
@@ -170,3 +171,12 @@ def test_use_cpu_devices_in_a_fresh_process():
     [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
   )
   assert out.stdout.strip() == "3"
+
+
+def test_every_registered_builtin_strategy_is_in_the_conformance_list():
+  builtin = {
+    name
+    for name in parstrat.available()
+    if parstrat._src.registry.lookup(name).__module__.startswith("parstrat._src")
+  }
+  assert builtin <= set(CONFORMANCE), f"add a line to CONFORMANCE for {builtin - set(CONFORMANCE)}"

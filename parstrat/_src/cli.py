@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
   train.add_argument(
-    "--out", default=None, help="run directory: metrics.jsonl and a report.png of the curves"
+    "--out",
+    default=None,
+    help="run directory for metrics.jsonl and report.png (default: --checkpoint-dir)",
   )
   train.add_argument(
     "--compare",
@@ -219,11 +221,13 @@ def train(args: argparse.Namespace) -> dict:
     raise UsageError(
       f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
     )
-  out = pathlib.Path(args.out) if args.out else None
+  # The report goes next to the checkpoints unless --out says otherwise.
+  out_dir = args.out or args.checkpoint_dir
+  out = pathlib.Path(out_dir) if out_dir else None
   runs = {}
   for name, strategy in strategies.items():
     metrics_path = args.metrics
-    if out is not None:
+    if out is not None and args.metrics is None:
       metrics_path = out / name / "metrics.jsonl" if args.compare else out / "metrics.jsonl"
       if primary:
         metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -402,7 +406,10 @@ def schedule(args: argparse.Namespace) -> None:
   if args.out:
     from parstrat._src.pipeline import drawing
 
-    drawing.draw_schedule(table, args.out)
+    try:
+      drawing.draw_schedule(table, args.out)
+    except OSError as e:
+      raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out}")
 
 

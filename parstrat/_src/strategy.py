@@ -242,6 +242,8 @@ def build_mesh(
       for than exist, or the devices do not divide evenly.
   """
   devs = available_devices(devices)
+  if not devs:
+    raise ValueError(f"No devices to build the mesh {dict(axis_sizes)} from (devices=[]).")
   known = 1
   for name, size in axis_sizes.items():
     if size is None:
@@ -376,6 +378,10 @@ class Trainer:
       TypeError, ValueError: for inputs that are not a float array with a batch
         axis, or a model that the strategy cannot lay out.
     """
+    if not _is_prng_key(rng):
+      raise TypeError(
+        f"rng must be a JAX PRNG key (e.g. jax.random.key(0)), got {type(rng).__name__} {rng!r}."
+      )
     sample = _as_array("sample_inputs", sample_inputs)
     if sample.ndim < 1 or sample.shape[0] < 1:
       raise ValueError(
@@ -503,6 +509,7 @@ class Trainer:
     each process passes only its rows to `step` and `apply`, and the global
     batch is assembled with `jax.make_array_from_process_local_data`.
     """
+    self._check_batch_size(global_batch, "the global batch")
     return distributed.local_rows(self._batch_sharding(), global_batch)
 
   def _to_global(self, value: Any) -> Any:
@@ -677,9 +684,19 @@ def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
   )
 
 
+def _is_prng_key(rng: Any) -> bool:
+  if not isinstance(rng, jax.Array):
+    return False
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return rng.shape == ()
+  return rng.dtype == jnp.uint32 and rng.shape == (2,)  # a legacy jax.random.PRNGKey
+
+
 def _as_array(what: str, value: Any):
   if isinstance(value, (jax.Array, np.ndarray)):
     return value
+  if isinstance(value, (str, bytes)):
+    raise TypeError(f"{what} must be a jax or numpy array, got {type(value).__name__}.")
   if isinstance(value, (list, tuple, int, float)) or np.isscalar(value):
     try:
       return np.asarray(value)
