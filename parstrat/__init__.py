@@ -4,6 +4,7 @@ from parstrat import checks
 from parstrat import collectives
 from parstrat import pipeline
 from parstrat._src.data_parallel import DataParallel
+from parstrat._src.fsdp import FSDP
 from parstrat._src.hybrid import Hybrid
 from parstrat._src.pipeline_parallel import PipelineModelParallel
 from parstrat._src.registry import available
@@ -16,15 +17,18 @@ from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
 from parstrat._src.strategy import build_mesh
 from parstrat._src.strategy import softmax_cross_entropy
+from parstrat._src.tensor_parallel import TensorParallel
 
 __version__ = "0.1.0"
 
 __all__ = [
   "DataParallel",
+  "FSDP",
   "Hybrid",
   "PipelineModelParallel",
   "Plan",
   "Strategy",
+  "TensorParallel",
   "TrainState",
   "Trainer",
   "available",

@@ -19,7 +19,7 @@ def test_unknown_name_lists_names_and_closest_match():
     parstrat.get("data_paralel")
   message = str(info.value)
   assert "'data_paralel'" in message
-  assert "data_parallel, hybrid, pipeline" in message
+  assert "data_parallel, fsdp, hybrid, pipeline, tensor" in message
   assert "Did you mean 'data_parallel'?" in message
 
 

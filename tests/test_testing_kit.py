@@ -108,6 +108,8 @@ CONFORMANCE = {
   "data_parallel": parstrat.DataParallel(data=8),
   "pipeline": parstrat.PipelineModelParallel(stages=2, microbatches=2),
   "hybrid": parstrat.Hybrid(data=4, stages=2),
+  "fsdp": parstrat.FSDP(data=8),
+  "tensor": parstrat.TensorParallel(model=4),
 }
 
 

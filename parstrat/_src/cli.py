@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
   train.add_argument("--data", type=_positive, default=None, help="data-parallel replicas")
   train.add_argument("--stages", type=_positive, default=None, help="pipeline stages")
+  train.add_argument("--model", type=_positive, default=None, help="tensor-parallel devices")
   train.add_argument("--microbatches", type=_positive, default=None)
   train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -135,7 +136,7 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   import parstrat
 
   config = {}
-  for key in ("data", "stages", "microbatches", "schedule"):
+  for key in ("data", "stages", "model", "microbatches", "schedule"):
     value = getattr(args, key)
     if value is not None:
       config[key] = value

@@ -95,6 +95,11 @@ class Plan:
       varying-manual-axes checking. Keep it on unless every reduction is
       explicit (with it on, the gradient of a replicated input comes back
       already summed over the mesh).
+    manual: True (default): `loss_and_grad` and `forward` run per device under
+      `jax.shard_map` and write their collectives. False: they run on global
+      arrays under `jit`, laid out by `param_spec` and `batch_spec`, and XLA's
+      SPMD partitioner inserts the collectives those shardings imply (how FSDP
+      and tensor parallelism are expressed).
   """
 
   param_spec: Any
@@ -106,6 +111,7 @@ class Plan:
   batch_multiple: int = 1
   description: str = ""
   check_vma: bool = True
+  manual: bool = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -433,13 +439,21 @@ class Trainer:
     plan = self.plan
     mesh = self.mesh
     param_spec = plan.param_spec
-    grad_fn = jax.shard_map(
-      plan.loss_and_grad,
-      mesh=mesh,
-      in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
-      out_specs=(P(), param_spec),
-      check_vma=plan.check_vma,
-    )
+    if plan.manual:
+      grad_fn = jax.shard_map(
+        plan.loss_and_grad,
+        mesh=mesh,
+        in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
+        out_specs=(P(), param_spec),
+        check_vma=plan.check_vma,
+      )
+    else:  # global arrays; XLA's partitioner adds the collectives the shardings imply
+      grad_shardings = self._state_shardings.params
+
+      def grad_fn(params, inputs, labels):
+        loss, grads = plan.loss_and_grad(params, inputs, labels)
+        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
     optimizer = self.optimizer
 
     skip_nonfinite = self.skip_nonfinite
@@ -579,6 +593,8 @@ class Trainer:
   @functools.cached_property
   def _compiled_apply(self):
     plan = self.plan
+    if not plan.manual:
+      return jax.jit(plan.forward, out_shardings=self._batch_sharding())
     fwd = jax.shard_map(
       plan.forward,
       mesh=self.mesh,

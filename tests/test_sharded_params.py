@@ -1,0 +1,66 @@
+"""FSDP and TensorParallel: equivalence with jit, and where the parameters live."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import DEEP_MLP
+from helpers import SEED_MLP
+from helpers import mlp
+
+import parstrat
+import parstrat.testing
+
+
+@pytest.mark.parametrize(
+  "strategy, model",
+  [
+    (parstrat.FSDP(data=8), SEED_MLP),
+    (parstrat.FSDP(data=4), DEEP_MLP),
+    (parstrat.TensorParallel(model=8), SEED_MLP),
+    (parstrat.TensorParallel(model=4), DEEP_MLP),
+  ],
+  ids=["fsdp8-seed", "fsdp4-deep", "tensor8-seed", "tensor4-deep"],
+)
+def test_matches_single_device_jit(strategy, model):
+  parstrat.testing.check_strategy(strategy, model, steps=20, batch=32)
+
+
+def _bytes_on_first_device(tree):
+  device = jax.devices()[0]
+  return sum(
+    s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+    if s.device == device
+  )  # fmt: skip
+
+
+def test_fsdp_holds_about_one_nth_of_params_and_optimizer_state():
+  sample = np.zeros((1, 784), np.float32)
+  fsdp = parstrat.FSDP(data=8)(SEED_MLP, optax.adam(1e-3))
+  data_parallel = parstrat.DataParallel(data=8)(SEED_MLP, optax.adam(1e-3))
+  fsdp_state = fsdp.init(jax.random.key(0), sample)
+  dp_state = data_parallel.init(jax.random.key(0), sample)
+  ideal = _bytes_on_first_device(dp_state) / 8
+  assert _bytes_on_first_device(fsdp_state) <= 1.2 * ideal
+  w = fsdp_state.params["mlp/~/linear_0"]["w"]
+  assert {s.data.shape for s in w.addressable_shards} == {(98, 512)}
+  images, labels = parstrat.testing.random_batches(1, 64)
+  temp = lambda t, s: t.lower(s, (images[0], labels[0])).compile().memory_analysis()  # noqa: E731
+  assert (
+    temp(fsdp, fsdp_state).temp_size_in_bytes < temp(data_parallel, dp_state).temp_size_in_bytes
+  )
+
+
+def test_tensor_parallel_splits_pairs_and_replicates_a_lone_last_layer():
+  model = mlp([64, 32, 10])
+  trainer = parstrat.TensorParallel(model=4)(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), np.zeros((1, 784), np.float32))
+  shapes = {
+    name: {k: {s.data.shape for s in v.addressable_shards} for k, v in leaves.items()}
+    for name, leaves in state.params.items()
+  }
+  assert shapes["mlp/~/linear_0"] == {"w": {(784, 16)}, "b": {(16,)}}  # column-parallel
+  assert shapes["mlp/~/linear_1"] == {"w": {(16, 32)}, "b": {(32,)}}  # row-parallel
+  assert shapes["mlp/~/linear_2"] == {"w": {(32, 10)}, "b": {(10,)}}  # lone: replicated
+  assert "mlp/~/linear_2: replicated" in trainer.plan.description
+  parstrat.testing.check_strategy(parstrat.TensorParallel(model=4), model, steps=3, batch=16)
