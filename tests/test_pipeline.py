@@ -155,9 +155,10 @@ DEEP_CASES = [(p, m, s) for p in (2, 4, 8) for m in (1, p, 2 * p) for s in ("gpi
 
 @pytest.mark.parametrize("stages, microbatches, schedule", DEEP_CASES)
 def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
-  # SGD on every case (a wrong gradient scale shows); Adam on the 2P cases.
+  # SGD on every case (a wrong gradient scale shows); Adam too on the largest cases
+  # (the seed-MLP matrix above runs Adam on every case).
   optimizers = [optax.sgd(0.1)]
-  if microbatches == 2 * stages:
+  if stages == 8 and microbatches == 16:
     optimizers.append(optax.adam(1e-3))
   strategy = parstrat.PipelineModelParallel(
     stages=stages, microbatches=microbatches, schedule=schedule

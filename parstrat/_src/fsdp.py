@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from parstrat._src import registry
 from parstrat._src.data_parallel import DATA
 from parstrat._src.sharded_params import fsdp_spec
+from parstrat._src.sharded_params import global_plan
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import build_mesh
@@ -48,18 +49,7 @@ class FSDP(Strategy):
     size = mesh.shape[DATA]
     specs = jax.tree.map(lambda p: fsdp_spec(p.shape, DATA, size), sample_params)
 
-    def loss_and_grad(params, inputs, labels):
-      return jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, inputs), labels))(params)
-
-    sharded = sum(1 for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)) if s != P())
-    total = len(jax.tree.leaves(sample_params))
-    return Plan(
-      param_spec=specs,
-      batch_spec=P(DATA),
-      to_stored=lambda params: params,
-      to_params=lambda stored: stored,
-      loss_and_grad=loss_and_grad,
-      forward=lambda params, inputs: model.apply(params, None, inputs),
-      manual=False,
-      description=f"{sharded} of {total} parameter leaves sharded over 'data'; batch split",
-    )
+    leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    sharded = sum(1 for spec in leaves if spec != P())
+    description = f"{sharded} of {len(leaves)} parameter leaves sharded over 'data'; batch split"
+    return global_plan(model, loss_fn, specs, P(DATA), description)

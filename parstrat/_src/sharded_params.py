@@ -15,6 +15,28 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.strategy import Plan
+
+
+def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str) -> Plan:
+  """A plan on global arrays: the model's own layout, sharded by `param_spec`.
+
+  The loss and gradients are written as for one device; XLA partitions them.
+  """
+
+  def loss_and_grad(params, inputs, labels):
+    return jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, inputs), labels))(params)
+
+  return Plan(
+    param_spec=param_spec,
+    batch_spec=batch_spec,
+    to_stored=lambda params: params,
+    to_params=lambda stored: stored,
+    loss_and_grad=loss_and_grad,
+    forward=lambda params, inputs: model.apply(params, None, inputs),
+    manual=False,
+    description=description,
+  )
 
 
 def fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> P:

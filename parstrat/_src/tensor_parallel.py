@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
+from parstrat._src.sharded_params import global_plan
 from parstrat._src.sharded_params import layer_order
 from parstrat._src.sharded_params import megatron_specs
 from parstrat._src.strategy import Plan
@@ -50,16 +50,4 @@ class TensorParallel(Strategy):
     order = layer_order(model, sample_params, sample_inputs)
     specs, notes = megatron_specs(sample_params, order, MODEL, mesh.shape[MODEL])
 
-    def loss_and_grad(params, inputs, labels):
-      return jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, inputs), labels))(params)
-
-    return Plan(
-      param_spec=specs,
-      batch_spec=P(),
-      to_stored=lambda params: params,
-      to_params=lambda stored: stored,
-      loss_and_grad=loss_and_grad,
-      forward=lambda params, inputs: model.apply(params, None, inputs),
-      manual=False,
-      description="\n".join(notes),
-    )
+    return global_plan(model, loss_fn, specs, P(), "\n".join(notes))
