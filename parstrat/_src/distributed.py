@@ -6,7 +6,6 @@ import faulthandler
 import sys
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 
@@ -94,9 +93,3 @@ def local_rows(sharding: NamedSharding, global_batch: int) -> slice:
       raise ValueError(f"This process's rows {starts} are not contiguous.")
     stop = max(stop, b)
   return slice(start, stop)
-
-
-def to_global(local: np.ndarray, sharding: NamedSharding, global_batch: int) -> jax.Array:
-  """Builds the global batch array from this process's rows of it."""
-  global_shape = (global_batch, *np.shape(local)[1:])
-  return jax.make_array_from_process_local_data(sharding, np.asarray(local), global_shape)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 
 import haiku as hk
@@ -202,10 +201,3 @@ class Hybrid(Strategy):
       cuts=self.cuts,
       bubble_value=self.bubble_value,
     )
-
-
-def describe_split(strategy: Hybrid) -> str:
-  data, stages = strategy.resolved_split()
-  n = len(available_devices(strategy.devices))
-  data = data if data is not None else n // stages
-  return f"{data} data x {stages} stages = {math.prod((data, stages))} of {n} devices"

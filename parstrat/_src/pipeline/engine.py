@@ -27,6 +27,7 @@ from jax import lax
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Schedule
+from parstrat._src.pipeline.schedule import num_total_iterations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class StagedModel:
   """
 
   layout: FlatLayout
-  program: partition_lib.StagePlan | Any
+  program: partition_lib.StageProgram
   width: int
   loss_fn: Callable[[jax.Array, jax.Array], jax.Array]
 
@@ -308,7 +309,7 @@ def pipeline_forward(
     return _shift(out, stage_axis, P, +1), outputs
 
   carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
-  _, outputs = lax.fori_loop(0, M + P - 1, tick, carry)
+  _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
   outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
   return partition_lib.unpad(
     outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)
