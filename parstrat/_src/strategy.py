@@ -344,7 +344,6 @@ class Trainer:
     self.mesh = strategy.make_mesh()
     self._plan: Plan | None = None
     self._input_shape: tuple[int, ...] | None = None
-    self._input_dtype: Any = None
 
   def __repr__(self) -> str:
     return f"Trainer({self.strategy!r}, mesh={dict(self.mesh.shape)})"
@@ -424,7 +423,6 @@ class Trainer:
     # Commit only once everything is built: a failure above leaves no half state.
     self._plan = plan
     self._input_shape = tuple(sample.shape[1:])
-    self._input_dtype = sample.dtype
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
