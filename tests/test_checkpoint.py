@@ -72,15 +72,17 @@ def test_stop_and_resume_is_bit_identical(tmp_path):
   assert sorted(int(p.name) for p in (tmp_path / "b").iterdir() if p.name.isdigit()) == [20, 30, 40]
 
 
-def test_resume_errors_are_one_line(tmp_path):
-  missing = _cli("--resume", "--checkpoint-dir", str(tmp_path / "none"))
-  assert missing.returncode == 2 and "--resume: no checkpoint in" in missing.stderr
-  assert _cli("--steps", "2", "--checkpoint-dir", str(tmp_path / "c")).returncode == 0
-  other_seed = _cli("--steps", "4", "--resume", "--checkpoint-dir", str(tmp_path / "c"),
-                    "--seed", "7")  # fmt: skip
-  assert (
-    other_seed.returncode == 2 and "written with --seed 0 --batch-size 400" in other_seed.stderr
-  )
+def test_resume_errors_are_one_line(tmp_path, capsys):
+  from parstrat._src import cli
+
+  flags = [*TRAIN, "--checkpoint-dir"]
+  assert cli.main([*flags, str(tmp_path / "none"), "--resume"]) == 2
+  assert "--resume: no checkpoint in" in capsys.readouterr().err
+  assert cli.main([*flags, str(tmp_path / "c"), "--steps", "2"]) == 0
+  capsys.readouterr()
+  assert cli.main([*flags, str(tmp_path / "c"), "--steps", "4", "--resume", "--seed", "7"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "written with --seed 0 --batch-size 400" in err and "\n" not in err
 
 
 MODEL = hk.transform(lambda x: hk.nets.MLP([32, 24, 16, 10], activation=jax.nn.swish)(x))
