@@ -189,7 +189,6 @@ def train(args: argparse.Namespace) -> dict:
     _setup_devices(args.devices)
   import haiku as hk
   import jax
-  import numpy as np
 
   import parstrat
   from parstrat._src import datasets
@@ -239,7 +238,6 @@ def train(args: argparse.Namespace) -> dict:
     picture = out / ("compare.png" if args.compare else "report.png")
     report.draw_training_report({n: r["records"] for n, r in runs.items()}, picture)
     say(f"report: {picture}")
-  del np
   return runs
 
 
