@@ -202,16 +202,18 @@ def bytes_per_device(tree) -> int:
 WIDTH, LAYERS, BATCH = 512, 4, 256
 
 
-def _temp_bytes(lowered) -> int:
-  return int(lowered.compile().memory_analysis().temp_size_in_bytes)
-
-
 def _row(step, state, batches, repeats, lower=None):
+  compiled = None
+  if lower is not None:  # lower + compile on their own, before anything ran
+    start = time.perf_counter()
+    compiled = lower(state).compile()
+    compile_s = time.perf_counter() - start
   row, state = timed(step, state, batches, repeats)
   row["examples_per_s"] = BATCH / row["median_s"]
   row["param_opt_bytes_per_device"] = bytes_per_device(state)
-  if lower is not None:
-    row["temp_bytes"] = _temp_bytes(lower(state))
+  if compiled is not None:
+    row["compile_s"] = compile_s
+    row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
   return row
 
 
@@ -395,7 +397,7 @@ def main():
   print(f"machine: {results['machine']}")
   print(f"model: {block['model']}, global batch {block['global_batch']}")
   header = (
-    f"{'':32} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'1st step s':>10} "
+    f"{'':32} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'compile s':>9} {'1st step s':>10} "
     f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble':>13}"
   )
   print(header)
@@ -407,7 +409,8 @@ def main():
     )
     print(
       f"{name:32} {1e3 * row['median_s']:9.2f} {1e3 * row['iqr_s']:7.2f} "
-      f"{row['examples_per_s']:7,.0f} {row['first_step_s']:10.2f} "
+      f"{row['examples_per_s']:7,.0f} {row.get('compile_s', float('nan')):9.2f} "
+      f"{row['first_step_s']:10.2f} "
       f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
       f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>13}"
     )
