@@ -51,7 +51,7 @@ def by_hand(data, params) -> float:
   params, opt_state = replicate(params), replicate(optimizer.init(params))
   for epoch in range(EPOCHS):
     for images, labels in batches(
-        data.train_images, data.train_labels, NUM_DEVICES * BATCH_SIZE, seed=0, epoch=epoch
+      data.train_images, data.train_labels, NUM_DEVICES * BATCH_SIZE, seed=0, epoch=epoch
     ):
       images = images.reshape(NUM_DEVICES, BATCH_SIZE, -1)
       labels = labels.reshape(NUM_DEVICES, BATCH_SIZE)
@@ -66,7 +66,7 @@ def with_parstrat(data) -> float:
   state = trainer.init(jax.random.key(0), data.train_images[:1])
   for epoch in range(EPOCHS):
     for batch in batches(
-        data.train_images, data.train_labels, NUM_DEVICES * BATCH_SIZE, seed=0, epoch=epoch
+      data.train_images, data.train_labels, NUM_DEVICES * BATCH_SIZE, seed=0, epoch=epoch
     ):
       state, _ = trainer.step(state, batch)
   logits = model.apply(trainer.params(state), None, data.eval_images)

@@ -21,9 +21,9 @@ from parstrat._src.datasets import batches  # noqa: E402
 from parstrat._src.datasets import load_mnist  # noqa: E402
 
 STRATEGIES = {
-    "data_parallel": dict(data=8),
-    "pipeline": dict(stages=4, microbatches=8, schedule="1f1b"),
-    "hybrid": dict(data=2, stages=4, microbatches=4, schedule="gpipe"),
+  "data_parallel": dict(data=8),
+  "pipeline": dict(stages=4, microbatches=8, schedule="1f1b"),
+  "hybrid": dict(data=2, stages=4, microbatches=4, schedule="gpipe"),
 }
 
 
@@ -37,9 +37,9 @@ def main(steps: int = 30, batch_size: int = 256) -> dict[str, tuple[float, float
     if name == "pipeline":
       print(trainer.plan.description)
     for _, batch in zip(
-        range(steps),
-        batches(data.train_images, data.train_labels, batch_size, seed=0, epoch=0),
-        strict=False,
+      range(steps),
+      batches(data.train_images, data.train_labels, batch_size, seed=0, epoch=0),
+      strict=False,
     ):
       state, metrics = trainer.step(state, batch)
     n = len(data.eval_labels) // batch_size * batch_size
@@ -47,8 +47,8 @@ def main(steps: int = 30, batch_size: int = 256) -> dict[str, tuple[float, float
     accuracy = float((logits.argmax(-1) == data.eval_labels[:n]).mean())
     results[name] = (float(metrics["loss"]), accuracy)
     print(
-        f"{name:14} mesh {dict(trainer.mesh.shape)}: loss after {steps} steps "
-        f"{results[name][0]:.6f}, eval accuracy {accuracy:.4f}"
+      f"{name:14} mesh {dict(trainer.mesh.shape)}: loss after {steps} steps "
+      f"{results[name][0]:.6f}, eval accuracy {accuracy:.4f}"
     )
   return results
 

@@ -29,11 +29,11 @@ def main() -> dict[str, float]:
   by_pmap = jax.pmap(lambda r: centre(r, "devices"), axis_name="devices")(x)  # n devices
   total = jax.pmap(lambda r: lax.psum(r.sum(), "devices"), axis_name="devices")(x)
   results = {
-      "max |vmap - pmap|": float(jnp.abs(by_vmap - by_pmap).max()),
-      "max |vmap - (x - x.mean(0))|": float(jnp.abs(by_vmap - (x - x.mean(0))).max()),
-      "psum over devices": float(total[0]),
-      "x.sum()": float(x.sum()),
-      "pmap output devices": float(len(by_pmap.sharding.device_set)),
+    "max |vmap - pmap|": float(jnp.abs(by_vmap - by_pmap).max()),
+    "max |vmap - (x - x.mean(0))|": float(jnp.abs(by_vmap - (x - x.mean(0))).max()),
+    "psum over devices": float(total[0]),
+    "x.sum()": float(x.sum()),
+    "pmap output devices": float(len(by_pmap.sharding.device_set)),
   }
   for name, value in results.items():
     print(f"{name}: {value:g}")
