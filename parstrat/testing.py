@@ -1,5 +1,6 @@
 """Tools for testing strategies: fake CPU devices and the conformance kit."""
 
+from parstrat._src.testing import ADAM_PARAM_ATOL
 from parstrat._src.testing import Report
 from parstrat._src.testing import check_strategy
 from parstrat._src.testing import random_batches
@@ -8,6 +9,7 @@ from parstrat._src.testing import seed_mlp
 from parstrat._src.testing import use_cpu_devices
 
 __all__ = [
+  "ADAM_PARAM_ATOL",
   "Report",
   "check_strategy",
   "random_batches",

@@ -80,9 +80,8 @@ class DataParallel(Strategy):
     def local_loss(params, inputs, labels):
       return loss_fn(model.apply(params, None, inputs), labels)
 
-    def loss_and_grad(params, inputs, labels):
-      loss, grads = jax.value_and_grad(local_loss)(local_values(params, DATA), inputs, labels)
-      return average_gradients((loss, grads), DATA)
+    def loss_and_grad(params, inputs, labels):  # this device's own loss and gradients
+      return jax.value_and_grad(local_loss)(local_values(params, DATA), inputs, labels)
 
     def forward(params, inputs):
       return model.apply(params, None, inputs)
@@ -93,6 +92,7 @@ class DataParallel(Strategy):
       to_stored=lambda params: params,
       to_params=lambda stored: stored,
       loss_and_grad=loss_and_grad,
+      reduce=lambda loss_and_grads: average_gradients(loss_and_grads, DATA),
       forward=forward,
       description="params replicated over 'data'; batch split over 'data'",
     )

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from parstrat._src import checks
 from parstrat._src import distributed
+from parstrat._src import precision as precision_lib
 
 Params = Any  # a pytree in the model's own (Haiku) layout
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -100,6 +101,17 @@ class Plan:
       arrays under `jit`, laid out by `param_spec` and `batch_spec`, and XLA's
       SPMD partitioner inserts the collectives those shardings imply (how FSDP
       and tensor parallelism are expressed).
+    reduce: optional `(loss, grads) -> (loss, grads)` run once per step after
+      `loss_and_grad` (under the same `jax.shard_map`). A plan that sets it
+      returns each device's *local* loss and gradients from `loss_and_grad` and
+      averages them here, so gradient accumulation over k microsteps pays for
+      one reduction instead of k. `None`: `loss_and_grad` already reduces.
+    grad_spec: `PartitionSpec`s the gradients are laid out with before the
+      optimizer runs (global plans only; default `param_spec`). ZeRO-2 shards
+      them while the params stay replicated.
+    opt_spec: `PartitionSpec`s of the optimizer state's parameter-shaped leaves
+      (default `param_spec`). ZeRO-1 shards them while the params stay
+      replicated.
   """
 
   param_spec: Any
@@ -112,6 +124,9 @@ class Plan:
   description: str = ""
   check_vma: bool = True
   manual: bool = True
+  reduce: Callable[[tuple[jax.Array, Any]], tuple[jax.Array, Any]] | None = None
+  grad_spec: Any = None
+  opt_spec: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +198,8 @@ class Strategy(abc.ABC):
     *,
     loss_fn: LossFn | None = None,
     skip_nonfinite: bool = False,
+    precision: Any = None,
+    accumulate: int = 1,
   ) -> Trainer:
     """Wraps `model` and `optimizer` into a `Trainer` on this strategy's mesh.
 
@@ -196,15 +213,82 @@ class Strategy(abc.ABC):
       skip_nonfinite: when the loss or the gradient norm of a step is NaN or
         infinite, keep the previous params and optimizer state (and step
         count); `metrics["finite"]` says whether the update was applied.
+      precision: mixed precision, applied with jmp around the model's `apply`:
+        "mixed_bfloat16" computes in bfloat16 with params, optimizer state and
+        loss in float32; also a jmp policy string or a `jmp.Policy`. Default:
+        float32 throughout.
+      accumulate: gradient accumulation: each `step` splits every device's
+        batch block into `accumulate` equal microsteps run one after another,
+        sums their gradients and applies one optimizer update, so activations
+        are held for 1/`accumulate` of the batch at a time. The result is
+        training on the whole batch (the loss must be a mean over examples).
 
     Returns:
       A `Trainer`.
 
     Raises:
       TypeError: if `model`, `optimizer` or `loss_fn` are of the wrong kind.
-      ValueError: if the mesh does not fit the available devices.
+      ValueError: if the mesh does not fit the available devices, or
+        `precision` or `accumulate` is invalid.
     """
-    return Trainer(self, model, optimizer, loss_fn=loss_fn, skip_nonfinite=skip_nonfinite)
+    return Trainer(
+      self,
+      model,
+      optimizer,
+      loss_fn=loss_fn,
+      skip_nonfinite=skip_nonfinite,
+      precision=precision,
+      accumulate=accumulate,
+    )
+
+  def resolve(self, trainer: Trainer, sample_inputs: jax.Array) -> Strategy:
+    """The concrete strategy to run; `self` except for strategies that choose at `init`.
+
+    `parstrat.Auto` overrides it to pick a strategy once the model's shapes
+    are known; `Trainer.init` calls it (with the trainer's model, optimizer
+    and options) before building the mesh.
+    """
+    del trainer, sample_inputs
+    return self
+
+  #: True for strategies (like "auto") whose mesh is only known after `resolve`.
+  deferred: ClassVar[bool] = False
+
+  #: How gradients cross the "data" axis, for "auto"'s cost model: (bytes each
+  #: device moves per byte of gradients it holds, times (D-1)/D; collectives
+  #: per step). An all-reduce: (2, 1). FSDP overrides it per ZeRO stage.
+  gradient_traffic: ClassVar[tuple[float, int]] = (2.0, 1)
+
+  @classmethod
+  def candidates_for(
+    cls, axis_sizes: dict[str, int], devices: Sequence[jax.Device] | None = None
+  ) -> list[Strategy]:
+    """This strategy's configurations on a mesh with `axis_sizes`, for "auto".
+
+    The default builds one, passing each mesh axis's size to the dataclass
+    field named like the axis (or the axis plus "s": axis "stage" -> `stages`),
+    so a custom strategy takes part in "auto" by declaring its `axis_names`
+    and such fields. It returns no candidate when a field is missing.
+
+    Args:
+      axis_sizes: a size for each of `axis_names`.
+      devices: the devices the mesh is built from.
+
+    Returns:
+      The strategies to measure (possibly none).
+    """
+    fields = (
+      {f.name for f in dataclasses.fields(cls) if f.init}
+      if dataclasses.is_dataclass(cls)
+      else set()
+    )
+    config = {}
+    for axis, size in axis_sizes.items():
+      name = next((n for n in (axis, axis + "s") if n in fields), None)
+      if name is None:
+        return []
+      config[name] = size
+    return [cls(devices=devices, **config)]
 
   def __repr__(self) -> str:
     shown = []
@@ -330,23 +414,37 @@ class Trainer:
     *,
     loss_fn: LossFn | None = None,
     skip_nonfinite: bool = False,
+    precision: Any = None,
+    accumulate: int = 1,
   ):
     _check_model(model)
     _check_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
       raise TypeError(f"loss_fn must be callable (logits, labels) -> scalar, got {loss_fn!r}.")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, (int, np.integer)):
+      raise TypeError(f"accumulate must be a positive integer, got {accumulate!r}.")
+    if accumulate < 1:
+      raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}.")
+    self.policy = precision_lib.resolve_policy(precision)
+    self.accumulate = int(accumulate)
     self.strategy = strategy
     self.model = model
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     self.uses_default_loss = loss_fn is None
     self.skip_nonfinite = bool(skip_nonfinite)
-    self.mesh = strategy.make_mesh()
+    #: For "auto": the `parstrat.Choice` made at `init` (None otherwise).
+    self.choice = None
+    # What the plan sees: the user's model with the precision policy around `apply`.
+    self._plan_model = precision_lib.with_policy(model, self.policy)
+    # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
+    self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
     self._plan: Plan | None = None
     self._input_shape: tuple[int, ...] | None = None
 
   def __repr__(self) -> str:
-    return f"Trainer({self.strategy!r}, mesh={dict(self.mesh.shape)})"
+    mesh = "chosen at init" if self.mesh is None else dict(self.mesh.shape)
+    return f"Trainer({self.strategy!r}, mesh={mesh})"
 
   # ----------------------------------------------------------------- plan
   @property
@@ -383,6 +481,73 @@ class Trainer:
       TypeError, ValueError: for inputs that are not a float array with a batch
         axis, or a model that the strategy cannot lay out.
     """
+    sample = self._check_sample(rng, sample_inputs)
+    if self.strategy.deferred:  # e.g. "auto": choose now that the shapes are known
+      chosen = self.strategy.resolve(self, sample)
+      self.strategy, self.mesh = chosen, chosen.make_mesh()
+    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
+    model = self._plan_model
+    plan, shardings = self._layout(rng, abstract_inputs)
+    # `jax.jit(model.init)` is cached per model, so trainers of one model share
+    # the (slow to compile) initialiser; the re-layout is a program of its own.
+    if jax.process_count() == 1:
+      params = jax.jit(model.init)(rng, sample)
+    else:  # every process computes the same replicated params on the global mesh
+      params = jax.jit(model.init, out_shardings=self._replicated)(rng, sample)
+    stored = jax.jit(plan.to_stored, out_shardings=shardings.params)(params)
+    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(stored)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+    state = TrainState(step=step, params=stored, opt_state=opt_state)
+    self._commit(plan, sample.shape, state)
+    return state
+
+  def init_abstract(self, rng: jax.Array, sample_inputs: Any) -> TrainState:
+    """Like `init`, but returns `jax.ShapeDtypeStruct`s carrying the shardings.
+
+    Nothing is computed or allocated, so a model too big for the devices can
+    still be laid out and its step lowered (`trainer.lower(state, batch)`) to
+    read the compiled memory analysis; this is how "auto" measures candidates.
+    """
+    sample = self._check_sample(rng, sample_inputs)
+    if self.strategy.deferred:
+      raise ValueError("init_abstract needs a concrete strategy; call init for 'auto'.")
+    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
+    plan, shardings = self._layout(rng, abstract_inputs)
+    params = jax.eval_shape(self._plan_model.init, rng, abstract_inputs)
+    stored = jax.eval_shape(plan.to_stored, params)
+    state = TrainState(
+      jax.ShapeDtypeStruct((), jnp.int32), stored, jax.eval_shape(self.optimizer.init, stored)
+    )
+    state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    self._commit(plan, sample.shape, state)
+    return state
+
+  def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState]:
+    """The plan and the state's shardings for inputs shaped like `abstract_inputs`."""
+    model = self._plan_model
+    abstract_params = jax.eval_shape(model.init, rng, abstract_inputs)
+    plan = self.strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
+    param_shardings = self._shardings(plan.param_spec)
+    stored = jax.eval_shape(plan.to_stored, abstract_params)
+    opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)
+    # Optimizer-state leaves that mirror a parameter get that parameter's
+    # sharding; counters and other non-parameter leaves are replicated.
+    abstract_opt = jax.eval_shape(self.optimizer.init, stored)
+    opt_shardings = optax.tree_utils.tree_map_params(
+      self.optimizer,
+      lambda _, sharding: sharding,
+      abstract_opt,
+      jax.tree.broadcast(opt_shardings, stored),
+      transform_non_params=lambda _: self._replicated,
+    )
+    shardings = TrainState(
+      self._replicated, jax.tree.broadcast(param_shardings, stored), opt_shardings
+    )
+    return plan, shardings
+
+  def _check_sample(self, rng: jax.Array, sample_inputs: Any):
     if not _is_prng_key(rng):
       raise TypeError(
         f"rng must be a JAX PRNG key (e.g. jax.random.key(0)), got {type(rng).__name__} {rng!r}."
@@ -394,42 +559,18 @@ class Trainer:
       )
     if not jnp.issubdtype(sample.dtype, jnp.floating):
       raise TypeError(f"sample_inputs must be floating point, got dtype {sample.dtype}.")
-    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
-    abstract_params = jax.eval_shape(self.model.init, rng, abstract_inputs)
-    plan = self.strategy.make_plan(
-      self.model, self.loss_fn, self.mesh, abstract_params, abstract_inputs
-    )
-    param_shardings = self._shardings(plan.param_spec)
-    # `jax.jit(model.init)` is cached per model, so trainers of one model share
-    # the (slow to compile) initialiser; the re-layout is a program of its own.
-    if jax.process_count() == 1:
-      params = jax.jit(self.model.init)(rng, sample)
-    else:  # every process computes the same replicated params on the global mesh
-      params = jax.jit(self.model.init, out_shardings=self._replicated)(rng, sample)
-    stored = jax.jit(plan.to_stored, out_shardings=param_shardings)(params)
-    # Optimizer-state leaves that mirror a parameter get that parameter's
-    # sharding; counters and other non-parameter leaves are replicated.
-    abstract_opt = jax.eval_shape(self.optimizer.init, stored)
-    opt_shardings = optax.tree_utils.tree_map_params(
-      self.optimizer,
-      lambda _, sharding: sharding,
-      abstract_opt,
-      jax.tree.broadcast(param_shardings, stored),
-      transform_non_params=lambda _: self._replicated,
-    )
-    opt_state = jax.jit(self.optimizer.init, out_shardings=opt_shardings)(stored)
-    step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-    state = TrainState(step=step, params=stored, opt_state=opt_state)
-    # Commit only once everything is built: a failure above leaves no half state.
+    return sample
+
+  def _commit(self, plan: Plan, sample_shape, state: TrainState) -> None:
+    """Adopts a new layout (only once everything is built: no half state on failure)."""
     self._plan = plan
-    self._input_shape = tuple(sample.shape[1:])
+    self._input_shape = tuple(sample_shape[1:])
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
     self.__dict__.pop("_compiled_export", None)
-    return state
 
   # ----------------------------------------------------------------- step
   @functools.cached_property
@@ -437,19 +578,39 @@ class Trainer:
     plan = self.plan
     mesh = self.mesh
     param_spec = plan.param_spec
+    accumulate = self.accumulate
     if plan.manual:
+
+      def per_device(params, inputs, labels):
+        split = lambda x: x.reshape(accumulate, -1, *x.shape[1:])  # noqa: E731
+        loss, grads = accumulate_gradients(plan.loss_and_grad, params, split(inputs), split(labels))
+        return (loss, grads) if plan.reduce is None else plan.reduce((loss, grads))
+
       grad_fn = jax.shard_map(
-        plan.loss_and_grad,
+        per_device,
         mesh=mesh,
         in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
         out_specs=(P(), param_spec),
         check_vma=plan.check_vma,
       )
     else:  # global arrays; XLA's partitioner adds the collectives the shardings imply
-      grad_shardings = self._state_shardings.params
+      grad_spec = param_spec if plan.grad_spec is None else plan.grad_spec
+      grad_shardings = jax.tree.broadcast(self._shardings(grad_spec), self._abstract_state.params)
+      ways = self._batch_split()
+      micro_sharding = NamedSharding(mesh, P(None, *plan.batch_spec))
+
+      def split(x):  # microstep j takes rows j of every device's block: no data moves
+        x = x.reshape(ways, accumulate, -1, *x.shape[1:]).swapaxes(0, 1)
+        x = x.reshape(accumulate, -1, *x.shape[3:])
+        return jax.lax.with_sharding_constraint(x, micro_sharding)
 
       def grad_fn(params, inputs, labels):
-        loss, grads = plan.loss_and_grad(params, inputs, labels)
+        if accumulate == 1:
+          loss, grads = plan.loss_and_grad(params, inputs, labels)
+        else:
+          loss, grads = accumulate_gradients(
+            plan.loss_and_grad, params, split(inputs), split(labels)
+          )
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
 
     optimizer = self.optimizer
@@ -504,11 +665,13 @@ class Trainer:
 
   def _check_batch_size(self, batch: int, what: str) -> None:
     split = self._batch_split()
-    multiple = split * self.plan.batch_multiple
+    multiple = split * self.plan.batch_multiple * self.accumulate
     if batch < 1 or batch % multiple:
       detail = f"{split} device(s) along {self.plan.batch_spec}"
       if self.plan.batch_multiple > 1:
         detail += f" x {self.plan.batch_multiple} microbatches"
+      if self.accumulate > 1:
+        detail += f" x accumulate={self.accumulate}"
       raise ValueError(
         f"The batch size of {what} must be a positive multiple of {multiple} "
         f"({detail}), got {batch}."
@@ -582,9 +745,24 @@ class Trainer:
 
     `trainer.lower(state, batch).compile().memory_analysis()` reports the
     compiled step's memory (e.g. `temp_size_in_bytes` for activations).
+
+    `state` may come from `init_abstract` and `batch` may be a pair of
+    `jax.ShapeDtypeStruct`s: then nothing is allocated, which is how a layout
+    is measured for a model that may not fit.
     """
-    x, y = self._check_batch(batch)
-    x, y = jax.device_put((x, y), self._batch_sharding())
+    if isinstance(batch, (tuple, list)) and all(isinstance(b, jax.ShapeDtypeStruct) for b in batch):
+      x, y = batch
+      if tuple(x.shape[1:]) != self._input_shape or (y.shape[:1] != x.shape[:1]):
+        raise ValueError(
+          f"An abstract batch needs images [B, {', '.join(map(str, self._input_shape))}] and "
+          f"labels [B, ...], got {x.shape} and {y.shape}."
+        )
+      self._check_batch_size(x.shape[0], "images")
+      sharding = self._batch_sharding()
+      x, y = (jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for b in (x, y))
+    else:
+      x, y = self._check_batch(batch)
+      x, y = jax.device_put((x, y), self._batch_sharding())
     return self._compiled_step.lower(state, x, y)
 
   # ----------------------------------------------------------------- apply
@@ -678,6 +856,43 @@ class Trainer:
     `model.apply(trainer.params(state), None, x)` works without parstrat.
     """
     return self._compiled_params(state.params)
+
+
+def accumulate_gradients(
+  loss_and_grad: Callable[[Any, Any, Any], tuple[jax.Array, Any]],
+  params: Any,
+  inputs: Any,
+  labels: Any,
+) -> tuple[jax.Array, Any]:
+  """Mean loss and gradients over microsteps `inputs[j], labels[j]`, one at a time.
+
+  The first microstep runs outside the loop and seeds the running sums, so the
+  sums have exactly the type (shape, dtype, and under `shard_map` the
+  device-varying axes) that `loss_and_grad` returns; a `lax.fori_loop` adds
+  the others. Only one microstep's activations are alive at a time.
+
+  Args:
+    loss_and_grad: `(params, inputs, labels) -> (mean loss, grads)`.
+    params: the params, passed to every microstep.
+    inputs: `[k, ...]` microstep inputs.
+    labels: `[k, ...]` microstep labels.
+
+  Returns:
+    `(loss, grads)` averaged over the k microsteps: the whole batch's mean loss
+    and its gradient when every microstep has the same size.
+  """
+  k = inputs.shape[0]
+  first = loss_and_grad(params, inputs[0], labels[0])
+  if k == 1:
+    return first
+
+  def body(j, total):  # reads microstep j in place: no copy of the batch
+    x = jax.lax.dynamic_index_in_dim(inputs, j, keepdims=False)
+    y = jax.lax.dynamic_index_in_dim(labels, j, keepdims=False)
+    return jax.tree.map(jnp.add, total, loss_and_grad(params, x, y))
+
+  total = jax.lax.fori_loop(1, k, body, first)
+  return jax.tree.map(lambda x: x / k, total)
 
 
 def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:

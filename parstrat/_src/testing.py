@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from parstrat._src import checks
+from parstrat._src import precision as precision_lib
 from parstrat._src import registry
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Strategy
@@ -172,6 +173,8 @@ def check_strategy(
   rtol: float = 1e-5,
   atol: float = 1e-5,
   seed: int = 0,
+  precision: Any = None,
+  accumulate: int = 1,
 ) -> list[Report]:
   """Trains `strategy` beside plain single-device `jax.jit` and asserts they agree.
 
@@ -195,6 +198,11 @@ def check_strategy(
     loss_fn: as for the trainer (default: softmax cross-entropy).
     rtol, atol: tolerances on losses and params.
     seed: for the params and the batches.
+    precision: the trainer's mixed-precision policy; the reference runs the
+      same jmp policy on one device (bfloat16 runs need looser tolerances:
+      the strategies sum gradients in another order).
+    accumulate: the trainer's gradient accumulation; the reference trains on
+      the whole batch at once, which accumulation must reproduce.
 
   Returns:
     One `Report` per optimizer when everything holds.
@@ -218,12 +226,16 @@ def check_strategy(
   )
   images, labels = random_batches(steps, batch, features, seed=seed)
   reports = []
+  reference_model = precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
   for name, optimizer, param_atol in named:
-    trainer = strategy(model, optimizer, loss_fn=loss_fn)
+    options = {"precision": precision} if precision is not None else {}
+    if accumulate != 1:
+      options["accumulate"] = accumulate
+    trainer = strategy(model, optimizer, loss_fn=loss_fn, **options)
     key = jax.random.key(seed)
-    reference_params = jax.jit(model.init)(key, images[0][:1])
+    reference_params = jax.jit(reference_model.init)(key, images[0][:1])
     ref_losses, ref_params = reference_run(
-      model, optimizer, images, labels, reference_params, trainer.loss_fn
+      reference_model, optimizer, images, labels, reference_params, trainer.loss_fn
     )
     label = f"{strategy!r} with {name}"
     try:

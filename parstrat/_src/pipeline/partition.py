@@ -122,6 +122,9 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
 
   closed = jax.make_jaxpr(flat_apply)(leaves, inputs)
   jaxpr = closed.jaxpr
+  jaxpr = jaxpr.replace(
+    eqns=_sink_parameter_math(jaxpr.eqns, [*jaxpr.invars[: len(leaves)], *jaxpr.constvars])
+  )
   if len(jaxpr.outvars) != 1:
     raise ValueError(
       f"A pipelined model must return one array (the logits); it returns {len(jaxpr.outvars)}."
@@ -145,6 +148,44 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
 
 def _is_var(v) -> bool:
   return not isinstance(v, jex.Literal)
+
+
+def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
+  """Moves each equation computed from parameters alone to just before its first use.
+
+  A model may transform its weights up front, e.g. a mixed-precision policy
+  casts every parameter to bfloat16 at the start of `apply`; left there, the
+  cast weights of later layers would be live across every cut. Sunk to where
+  they are used, they join their layer's stage. The order of everything else
+  is kept.
+  """
+  derived = set(sources)
+  producer: dict[Any, int] = {}
+  emitted: set[int] = set()
+  out: list[Any] = []
+
+  def emit_inputs(eqn) -> None:
+    for v in eqn.invars:
+      i = producer.get(v) if _is_var(v) else None
+      if i is not None and i not in emitted:
+        emit_inputs(eqns[i])
+        emitted.add(i)
+        out.append(eqns[i])
+
+  for i, eqn in enumerate(eqns):
+    if not eqn.effects and all(v in derived for v in eqn.invars if _is_var(v)):
+      for v in eqn.outvars:
+        derived.add(v)
+        producer[v] = i
+      continue
+    emit_inputs(eqn)
+    out.append(eqn)
+  for i in sorted(set(producer.values()) - emitted):  # feeding the outputs, or nothing
+    if i not in emitted:
+      emit_inputs(eqns[i])
+      emitted.add(i)
+      out.append(eqns[i])
+  return out
 
 
 def _eqn_flops(eqn) -> int:
