@@ -63,3 +63,30 @@ def test_tensor_parallel_splits_pairs_and_replicates_a_lone_last_layer():
   assert shapes["mlp/~/linear_2"] == {"w": {(32, 10)}, "b": {(10,)}}  # lone: replicated
   assert "mlp/~/linear_2: replicated" in trainer.plan.description
   parstrat.testing.check_strategy(parstrat.TensorParallel(model=4), model, steps=3, batch=16)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_stages_match_single_device_jit(zero):
+  parstrat.testing.check_strategy(parstrat.FSDP(zero=zero), steps=5, batch=32)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_1_and_2_shard_only_the_optimizer_state(zero):
+  sample = np.zeros((1, 784), np.float32)
+  trainer = parstrat.FSDP(data=8, zero=zero)(SEED_MLP, optax.adam(1e-3))
+  state = trainer.init(jax.random.key(0), sample)
+  w = state.params["mlp/~/linear_0"]["w"]
+  assert {s.data.shape for s in w.addressable_shards} == {(784, 512)}  # params whole
+  mu = state.opt_state[0].mu["mlp/~/linear_0"]["w"]
+  assert {s.data.shape for s in mu.addressable_shards} == {(98, 512)}  # Adam's moments split
+  dp = parstrat.DataParallel(data=8)(SEED_MLP, optax.adam(1e-3))
+  dp_state = dp.init(jax.random.key(0), sample)
+  # params whole + mu, nu split: a little over a third of data parallelism's state.
+  ratio = _bytes_on_first_device(state.opt_state) / _bytes_on_first_device(dp_state.opt_state)
+  assert ratio < 1.2 / 8
+  assert trainer.plan.description.startswith(f"ZeRO-{zero}")
+
+
+def test_zero_stage_must_be_1_2_or_3():
+  with pytest.raises(ValueError, match="zero must be the ZeRO stage 1, 2 or 3, got 4"):
+    parstrat.FSDP(zero=4)

@@ -1,4 +1,4 @@
-"""FSDP (ZeRO-3): parameters, gradients and optimizer state sharded over "data"."""
+"""FSDP / ZeRO: optimizer state, gradients and parameters sharded over "data"."""
 
 from __future__ import annotations
 
@@ -29,18 +29,50 @@ class FSDP(Strategy):
   each weight just before it is used and reduce-scatters its gradient, so each
   device holds about 1/N of the parameters and optimizer state.
 
+  `zero` picks how much is sharded (the ZeRO stages):
+
+  * 3 (default): params, gradients and optimizer state (all-gather params in
+    the forward and backward passes, reduce-scatter gradients).
+  * 2: gradients and optimizer state; params stay replicated. Gradients are
+    reduce-scattered, each device updates its shard, and the new params are
+    all-gathered: the same bytes moved as `DataParallel`'s all-reduce.
+  * 1: optimizer state only; gradients are all-reduced as in `DataParallel`,
+    then each device updates its shard and the new params are all-gathered.
+
   Args:
     data: devices on the "data" axis (default: all).
+    zero: the ZeRO stage, 1, 2 or 3.
     devices, debug: see `Strategy`.
+
+  Raises:
+    ValueError: for a `zero` other than 1, 2 or 3.
 
   Example:
     >>> import parstrat
     >>> dict(parstrat.get("fsdp", data=4).make_mesh().shape)
     {'data': 4}
+    >>> parstrat.get("fsdp", zero=1)
+    FSDP(zero=1)
   """
 
   data: int | None = None
+  zero: int = 3
   axis_names = (DATA,)
+
+  def __post_init__(self):
+    if isinstance(self.zero, bool) or self.zero not in (1, 2, 3):
+      raise ValueError(f"zero must be the ZeRO stage 1, 2 or 3, got {self.zero!r}.")
+
+  @property
+  def gradient_traffic(self) -> tuple[float, int]:  # type: ignore[override]
+    # ZeRO-3 all-gathers params in the forward and the backward pass and
+    # reduce-scatters gradients; ZeRO-2 reduce-scatters gradients and
+    # all-gathers the updated params; ZeRO-1 all-reduces, then all-gathers.
+    return {1: (3.0, 2), 2: (2.0, 2), 3: (3.0, 3)}[self.zero]
+
+  @classmethod
+  def candidates_for(cls, axis_sizes, devices=None):
+    return [cls(data=axis_sizes[DATA], zero=zero, devices=devices) for zero in (3, 2, 1)]
 
   def make_mesh(self) -> Mesh:
     return build_mesh({DATA: self.data}, self.devices)
@@ -51,5 +83,12 @@ class FSDP(Strategy):
 
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     sharded = sum(1 for spec in leaves if spec != P())
-    description = f"{sharded} of {len(leaves)} parameter leaves sharded over 'data'; batch split"
-    return global_plan(model, loss_fn, specs, P(DATA), description)
+    what = {3: "params, gradients and optimizer state", 2: "gradients and optimizer state"}
+    description = (
+      f"ZeRO-{self.zero}: {what.get(self.zero, 'optimizer state')} of {sharded} of "
+      f"{len(leaves)} parameter leaves sharded over 'data'; batch split"
+    )
+    if self.zero == 3:
+      return global_plan(model, loss_fn, specs, P(DATA), description)
+    plan = global_plan(model, loss_fn, P(), P(DATA), description)
+    return dataclasses.replace(plan, opt_spec=specs, grad_spec=specs if self.zero == 2 else None)
