@@ -1,14 +1,20 @@
-"""Hybrid: pipeline stages on mesh axis "stage" inside data-parallel replicas on "data"."""
+"""Hybrid: pipeline stages on mesh axis "stage" inside data-parallel replicas on "data".
+
+With `model=T > 1`, each stage's linear layers are also split Megatron-style
+over a third mesh axis, "model".
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from collections.abc import Sequence
 
 import haiku as hk
 import jax
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
@@ -25,6 +31,7 @@ from parstrat._src.strategy import available_devices
 from parstrat._src.strategy import build_mesh
 
 STAGE = "stage"
+MODEL = "model"
 
 
 def default_split(num_devices: int) -> tuple[int, int]:
@@ -45,6 +52,7 @@ def make_pipeline_plan(
   balance: str,
   cuts: Sequence[int] | None,
   bubble_value: float,
+  mesh: Mesh | None = None,
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
@@ -52,6 +60,10 @@ def make_pipeline_plan(
   (replicated over "data"); the batch is split over "data" and each replica
   runs the pipeline schedule over its block; gradients are then averaged over
   "data" only.
+
+  When `mesh` also has a "model" axis of size T > 1, the plan comes from
+  `_tensor_pipeline_plan` instead: each stage's linear layers are split over
+  "model" as well.
   """
   _check_positive("microbatches", microbatches)
   sched = schedule_lib.build_schedule(schedule, stages, microbatches)
@@ -63,7 +75,13 @@ def make_pipeline_plan(
     apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
   )
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
-  layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
+  parts = 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
+  notes: list[str] = []
+  if parts > 1:
+    split_dims, notes = stage_tensor_split(sample_params, stage_plan, parts)
+    layout = engine.SplitLayout.build(sample_params, program.stage_leaves, split_dims, parts, MODEL)
+  else:
+    layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
 
   @functools.cache
   def staged_for(shape: tuple[int, ...], dtype) -> engine.StagedModel:
@@ -76,47 +94,189 @@ def make_pipeline_plan(
   def microbatch_model(inputs) -> engine.StagedModel:
     return staged_for((inputs.shape[0] // microbatches, *inputs.shape[1:]), inputs.dtype)
 
+  # Each device's block of the stored buffers has a leading stage axis of 1.
+  def row_of(stored):
+    return jax.tree.map(lambda x: x[0], stored)
+
   def loss_and_grad(stored, inputs, labels):
-    row = stored[0]
     loss, grads = engine.pipeline_loss_and_grad(
       microbatch_model(inputs),
       sched,
-      row,
+      row_of(stored),
       inputs,
       labels,
       stage_axis=STAGE,
       bubble_value=bubble_value,
     )
-    loss, grads = average_gradients((loss, grads), DATA)
-    return loss, grads[None]
+    # This replica's loss and gradients; `reduce` averages them over "data".
+    return loss, jax.tree.map(lambda g: g[None], grads)
 
   def forward(stored, inputs):
     return engine.pipeline_forward(
-      microbatch_model(inputs),
-      microbatches,
-      stored[0],
-      inputs,
-      stage_axis=STAGE,
+      microbatch_model(inputs), microbatches, row_of(stored), inputs, stage_axis=STAGE
     )
 
   sizes = layout.stage_sizes
+  if parts > 1:
+    buffers = (
+      f"per-device parameter buffers: {layout.split_size:,} split + "
+      f"{layout.replicated_size:,} replicated elements (largest stage {max(sizes):,})\n"
+      f"tensor parallel over model={parts}, within each stage:\n" + "\n".join(notes) + "\n"
+    )
+  else:
+    buffers = (
+      f"per-device parameter buffer: {layout.size:,} elements "
+      f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
+    )
   description = (
     f"{stage_plan}\n"
-    f"per-device parameter buffer: {layout.size:,} elements "
-    f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
+    f"{buffers}"
     f"schedule: {sched.name}, {microbatches} microbatches, {sched.num_ticks} ticks, "
     f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
     f"{sched.num_act_slots} activation slot(s) per device"
   )
+  if parts > 1:
+    return _tensor_pipeline_plan(mesh, layout, loss_and_grad, forward, microbatches, description)
   return Plan(
     param_spec=P(STAGE),
     batch_spec=P(DATA),
     to_stored=layout.to_stored,
     to_params=layout.to_params,
     loss_and_grad=loss_and_grad,
+    reduce=lambda loss_and_grads: average_gradients(loss_and_grads, DATA),
     forward=forward,
     batch_multiple=microbatches,
     check_vma=False,
+    description=description,
+  )
+
+
+def stage_tensor_split(
+  sample_params: Params, stage_plan: partition_lib.StagePlan, parts: int
+) -> tuple[tuple[int | None, ...], list[str]]:
+  """Which dimension of each parameter leaf is split over "model", stage by stage.
+
+  Within each stage, consecutive pairs of linear layers (`w [in, out]` and an
+  optional `b`) are split as `megatron_specs` splits the whole model: the
+  first column-parallel (`w` and `b` by output), the second row-parallel (`w`
+  by input, `b` whole), so each pair needs one all-reduce over "model" forward
+  and one backward. A pair never straddles a stage cut. A lone layer at the
+  end of a stage, a layer that is not linear, or a pair whose hidden width
+  `parts` does not divide is replicated.
+
+  Returns:
+    (per flattened leaf, the split dimension or None; a line per layer).
+  """
+  with_path, _ = jax.tree_util.tree_flatten_with_path(sample_params)
+  index: dict[str, dict[str, int]] = {}
+  for i, (path, _) in enumerate(with_path):
+    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    index.setdefault(str(keys[0]), {})[str(keys[-1]) if len(keys) == 2 else ""] = i
+  leaves = jax.tree.leaves(sample_params)
+
+  def linear(name: str) -> bool:
+    keys = index.get(name, {})
+    return "w" in keys and set(keys) <= {"w", "b"} and len(leaves[keys["w"]].shape) == 2
+
+  split_dims: list[int | None] = [None] * len(leaves)
+  notes = []
+  for s, group in enumerate(stage_plan.stage_layers):
+    names = [stage_plan.layers[k].name for k in group]
+    i = 0
+    while i < len(names):
+      first = names[i]
+      second = names[i + 1] if i + 1 < len(names) else None
+      if second is None:
+        why = "lone layer at the end of the stage" if linear(first) else "not a linear layer"
+      elif not linear(first):
+        why = "not a linear layer"
+      elif not linear(second):
+        why = f"the next layer {second} is not linear"
+      else:
+        width = leaves[index[first]["w"]].shape[1]
+        rows = leaves[index[second]["w"]].shape[0]
+        why = ""
+        if width % parts:
+          why = f"its width {width} is not divisible by model={parts}"
+        elif rows % parts:
+          why = f"{second} takes {rows} inputs, not divisible by model={parts}"
+      if why:
+        notes.append(f"  stage {s}: {first}: replicated ({why})")
+        i += 1
+        continue
+      split_dims[index[first]["w"]] = 1
+      if "b" in index[first]:
+        split_dims[index[first]["b"]] = 0
+      split_dims[index[second]["w"]] = 0
+      notes.append(
+        f"  stage {s}: {first}: column-parallel; {second}: row-parallel (one all-reduce)"
+      )
+      i += 2
+  return tuple(split_dims), notes
+
+
+def _tensor_pipeline_plan(
+  mesh: Mesh,
+  layout: engine.SplitLayout,
+  loss_and_grad: Callable,
+  forward: Callable,
+  microbatches: int,
+  description: str,
+) -> Plan:
+  """The pipeline on a (data, stage, model) mesh, with "model" left to the partitioner.
+
+  Stored params are `(split [P, T, S], replicated [P, R])` sharded
+  `(P("stage", "model"), P("stage"))`. The plan is a global one (`manual=False`):
+  it runs the pipeline under its own `jax.shard_map` that is manual over
+  "data" and "stage" only, so inside it every device of a (data, stage) pair
+  sees its stage's `[T, S]` block still split over the automatic "model" axis.
+  The stage functions rebuild each split weight from that block, pinned split
+  along its Megatron dimension, and XLA's SPMD partitioner inserts the
+  all-reduces over "model"; as "model" is not manual, no transpose sums a
+  gradient over it. Gradients are averaged over "data" explicitly as before.
+  """
+  manual_axes = frozenset({DATA, STAGE})
+  row_spec = (P(STAGE), P(STAGE))
+
+  def local_loss_and_grad(stored, inputs, labels):
+    return average_gradients(loss_and_grad(stored, inputs, labels), DATA)
+
+  grad_fn = jax.shard_map(
+    local_loss_and_grad,
+    mesh=mesh,
+    in_specs=(row_spec, P(DATA), P(DATA)),
+    out_specs=(P(), row_spec),
+    axis_names=manual_axes,
+    check_vma=False,
+  )
+  forward_fn = jax.shard_map(
+    forward,
+    mesh=mesh,
+    in_specs=(row_spec, P(DATA)),
+    out_specs=P(DATA),
+    axis_names=manual_axes,
+    check_vma=False,
+  )
+  param_spec = (P(STAGE, MODEL), P(STAGE))
+  param_shardings = tuple(NamedSharding(mesh, spec) for spec in param_spec)
+
+  def global_loss_and_grad(stored, inputs, labels):
+    stored = jax.lax.with_sharding_constraint(stored, param_shardings)
+    return grad_fn(stored, inputs, labels)
+
+  def global_forward(stored, inputs):
+    return forward_fn(jax.lax.with_sharding_constraint(stored, param_shardings), inputs)
+
+  return Plan(
+    param_spec=param_spec,
+    batch_spec=P(DATA),
+    to_stored=layout.to_stored,
+    to_params=layout.to_params,
+    loss_and_grad=global_loss_and_grad,
+    forward=global_forward,
+    batch_multiple=microbatches,
+    check_vma=False,
+    manual=False,
     description=description,
   )
 
@@ -129,7 +289,7 @@ def _check_positive(what: str, value) -> None:
 @registry.register("hybrid")
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class Hybrid(Strategy):
-  """Data x pipeline parallelism on a `data x stages` mesh with axes ("data", "stage").
+  """Data x pipeline (x tensor) parallelism on a `data x stages (x model)` mesh.
 
   Each of the `data` replicas runs the pipeline (`PipelineModelParallel`) over
   its block of the batch; the gradients of each stage are then averaged over
@@ -137,10 +297,26 @@ class Hybrid(Strategy):
   only. `Hybrid(data=D, stages=1)` is data parallelism with a one-stage
   pipeline, and `Hybrid(data=1, stages=P)` is the pipeline.
 
+  With `model=T > 1` the mesh gains a third axis, "model" (axes ("data",
+  "stage", "model"); with `model=1` it is just ("data", "stage")), and within
+  each stage the linear layers are split Megatron-style over it, as
+  `TensorParallel` splits the whole model::
+
+    for each stage s, its layers in order, pairs never crossing a stage cut:
+      layer 2k:   w, b split by output columns      (column-parallel)
+      layer 2k+1: w split by input rows, b whole     (row-parallel; all-reduce over "model")
+      a lone last layer, or a width T does not divide: replicated
+
+  Each device then stores 1/T of every split weight of its stage (plus the
+  stage's replicated leaves); the plan's `description` lists which layers are
+  split.
+
   Args:
     data: replicas along "data" (default: the devices left after `stages`).
-    stages: pipeline stages along "stage" (default: 2 when the device count is
-      even, else 1; see `default_split`).
+    stages: pipeline stages along "stage" (default: 2 when the device count
+      left after `model` is even, else 1; see `default_split`).
+    model: tensor-parallel ways along "model" within each stage (default 1:
+      no "model" axis).
     microbatches: microbatches per replica per step (default: `stages`).
     schedule: "gpipe" or "1f1b".
     balance: what the automatic cut balances, "params" or "flops".
@@ -153,26 +329,36 @@ class Hybrid(Strategy):
     >>> strategy = parstrat.Hybrid(data=2, stages=2, microbatches=4)
     >>> dict(strategy.make_mesh().shape)
     {'data': 2, 'stage': 2}
+    >>> dict(parstrat.Hybrid(data=2, stages=2, model=2).make_mesh().shape)
+    {'data': 2, 'stage': 2, 'model': 2}
   """
 
   data: int | None = None
   stages: int | None = None
+  model: int = 1
   microbatches: int | None = None
   schedule: str = "1f1b"
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
-  axis_names = (DATA, STAGE)
+  axis_names = (DATA, STAGE, MODEL)
 
   def resolved_split(self) -> tuple[int | None, int]:
     """(data, stages) after defaults: `data=None` fills the remaining devices."""
+    _check_positive("model", self.model)
     if self.stages is not None:
       return self.data, self.stages
     n = len(available_devices(self.devices))
+    where = f"the {n} available devices"
+    if self.model > 1:
+      if n % self.model:
+        raise ValueError(f"model={self.model} does not divide {where}.")
+      n //= self.model
+      where = f"the {n} devices left per model={self.model} group"
     if self.data is not None:
       _check_positive("data", self.data)
       if n % self.data:
-        raise ValueError(f"data={self.data} does not divide the {n} available devices.")
+        raise ValueError(f"data={self.data} does not divide {where}.")
       return self.data, n // self.data
     return default_split(n)
 
@@ -185,7 +371,14 @@ class Hybrid(Strategy):
     _check_positive("stages", stages)
     if self.microbatches is not None:
       _check_positive("microbatches", self.microbatches)
-    return build_mesh({DATA: data, STAGE: stages}, self.devices)
+    if self.model == 1:
+      return build_mesh({DATA: data, STAGE: stages}, self.devices)
+    n = len(available_devices(self.devices))
+    if data is None and n % (stages * self.model):
+      raise ValueError(
+        f"model={self.model} x stages={stages} does not divide the {n} available devices."
+      )
+    return build_mesh({DATA: data, STAGE: stages, MODEL: self.model}, self.devices)
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
     stages = mesh.shape[STAGE]
@@ -200,4 +393,5 @@ class Hybrid(Strategy):
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,
+      mesh=mesh,
     )

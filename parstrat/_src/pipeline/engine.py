@@ -7,6 +7,12 @@ flat `[microbatch, W]` buffer (padded to the widest boundary). At every tick a
 one `ppermute` moves activations to the next stage and one moves gradients to
 the previous stage.
 
+With `SplitLayout`, a stage's linear layers are also split Megatron-style over a
+mesh axis (e.g. "model") that the `jax.shard_map` leaves automatic: each device
+stores its slice of every split weight, and XLA's SPMD partitioner inserts the
+all-reduces the split implies. The per-device params are then a pair of buffers
+instead of one; the schedule code treats them as a pytree.
+
 These functions run under `jax.shard_map(..., check_vma=False)`: the stage
 functions are slices of a jaxpr traced outside the map, and every reduction is
 explicit (gradients come from explicit `jax.vjp` calls, so no transpose can
@@ -23,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline.schedule import Action
@@ -94,6 +101,10 @@ class FlatLayout:
       for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True)
     ]
 
+  def constrain(self, row: jax.Array) -> jax.Array:
+    """The identity (a flat row has no layout inside the map); see `SplitLayout`."""
+    return row
+
   def to_params(self, stored: jax.Array) -> Any:
     """`[P, size]` stage buffers -> model layout."""
     leaves: list[Any] = [None] * len(self.shapes)
@@ -103,17 +114,178 @@ class FlatLayout:
     return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _to_block(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
+  """`leaf` cut into `parts` equal slices along `dim`, as `[parts, leaf.size // parts]`."""
+  return jnp.moveaxis(leaf, dim, 0).reshape(parts, -1)
+
+
+def _from_block(block: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
+  """The inverse of `_to_block`: `[parts, k]` slices -> the leaf of `shape`."""
+  moved = (shape[dim], *shape[:dim], *shape[dim + 1 :])
+  return jnp.moveaxis(block.reshape(moved), 0, dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLayout:
+  """Stage buffers where some leaves are split `parts` ways over a mesh axis.
+
+  Stored params are a pair `(split, replicated)`:
+
+  * `split [P, parts, split_size]`, sharded `P(stage_axis, axis)`: row `[s, t]`
+    holds slice t (along its split dimension) of every split leaf of stage s,
+    flattened and concatenated, zero-padded to the largest stage.
+  * `replicated [P, replicated_size]`, sharded `P(stage_axis)`: the other
+    leaves of each stage, flattened like `FlatLayout`.
+
+  A device of the pipeline sees `(split[s], replicated[s])`, a `[parts, k]`
+  block still split over `axis` (automatic inside the map) and a flat row.
+
+  Attributes:
+    treedef, shapes, stage_leaves, dtype: as for `FlatLayout`.
+    split_dims: per flattened leaf, the dimension split over `axis`, or None.
+    parts: the size of `axis`.
+    axis: the mesh axis the split leaves are sharded over.
+    offsets: per stage, the start of each of its leaves in the buffer it
+      lives in (in elements of one `[parts, k]` row for split leaves).
+    split_size: the length of one split row (largest stage, at least 1).
+    replicated_size: the length of a replicated row (largest stage, at least 1).
+  """
+
+  treedef: Any
+  shapes: tuple[tuple[int, ...], ...]
+  stage_leaves: tuple[tuple[int, ...], ...]
+  split_dims: tuple[int | None, ...]
+  parts: int
+  axis: str
+  offsets: tuple[tuple[int, ...], ...]
+  split_size: int
+  replicated_size: int
+  dtype: Any
+
+  @classmethod
+  def build(
+    cls,
+    params: Any,
+    stage_leaves: tuple[tuple[int, ...], ...],
+    split_dims: tuple[int | None, ...],
+    parts: int,
+    axis: str,
+  ) -> SplitLayout:
+    flat = FlatLayout.build(params, stage_leaves)  # checks dtypes and ownership
+    if len(split_dims) != len(flat.shapes):
+      raise ValueError(f"split_dims has {len(split_dims)} entries for {len(flat.shapes)} leaves.")
+    for i, dim in enumerate(split_dims):
+      if dim is not None and flat.shapes[i][dim] % parts:
+        raise ValueError(
+          f"Parameter leaf {i} of shape {flat.shapes[i]} cannot be split {parts} ways "
+          f"along dimension {dim}."
+        )
+    offsets, split_sizes, replicated_sizes = [], [], []
+    for group in stage_leaves:
+      split_end, replicated_end, starts = 0, 0, []
+      for i in group:
+        size = int(np.prod(flat.shapes[i]))
+        if split_dims[i] is None:
+          starts.append(replicated_end)
+          replicated_end += size
+        else:
+          starts.append(split_end)
+          split_end += size // parts
+      offsets.append(tuple(starts))
+      split_sizes.append(split_end)
+      replicated_sizes.append(replicated_end)
+    return cls(
+      flat.treedef,
+      flat.shapes,
+      tuple(stage_leaves),
+      tuple(split_dims),
+      parts,
+      axis,
+      tuple(offsets),
+      max(1, *split_sizes),
+      max(1, *replicated_sizes),
+      flat.dtype,
+    )
+
+  @property
+  def stage_sizes(self) -> list[int]:
+    """Parameters per stage (whole, not per device)."""
+    return [sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves]
+
+  @property
+  def per_device_size(self) -> int:
+    """Elements each device stores: its split row plus its replicated row."""
+    return self.split_size + self.replicated_size
+
+  def to_stored(self, params: Any) -> tuple[jax.Array, jax.Array]:
+    """Model layout -> `(split [P, parts, split_size], replicated [P, replicated_size])`."""
+    leaves = jax.tree.leaves(params)
+    split_rows, replicated_rows = [], []
+    for group in self.stage_leaves:
+      blocks = [
+        _to_block(leaves[i], self.split_dims[i], self.parts)
+        for i in group
+        if self.split_dims[i] is not None
+      ]
+      flat = [leaves[i].reshape(-1) for i in group if self.split_dims[i] is None]
+      block = jnp.concatenate(blocks, axis=1) if blocks else jnp.zeros((self.parts, 0), self.dtype)
+      row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
+      split_rows.append(jnp.pad(block, ((0, 0), (0, self.split_size - block.shape[1]))))
+      replicated_rows.append(jnp.pad(row, (0, self.replicated_size - row.shape[0])))
+    return jnp.stack(split_rows), jnp.stack(replicated_rows)
+
+  def stage_params(
+    self, stage: int, row: tuple[jax.Array, jax.Array], *, constrain: bool = True
+  ) -> list[jax.Array]:
+    """Stage `stage`'s leaves from its `([parts, split_size], [replicated_size])` buffers.
+
+    With `constrain` (inside the map), each split leaf is pinned to be sharded
+    over `axis` along its split dimension, so the partitioner keeps it split.
+    """
+    block, flat = row
+    out = []
+    for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True):
+      shape, dim = self.shapes[i], self.split_dims[i]
+      size = int(np.prod(shape))
+      if dim is None:
+        out.append(lax.dynamic_slice_in_dim(flat, off, size).reshape(shape))
+        continue
+      leaf = _from_block(lax.slice_in_dim(block, off, off + size // self.parts, axis=1), shape, dim)
+      if constrain:
+        spec = [None] * len(shape)
+        spec[dim] = self.axis
+        leaf = lax.with_sharding_constraint(leaf, PartitionSpec(*spec))
+      out.append(leaf)
+    return out
+
+  def constrain(self, row: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Pins a `[parts, split_size]` block (params or gradients) to be split over `axis`."""
+    block, flat = row
+    return lax.with_sharding_constraint(block, PartitionSpec(self.axis, None)), flat
+
+  def to_params(self, stored: tuple[jax.Array, jax.Array]) -> Any:
+    """`(split, replicated)` stage buffers -> model layout."""
+    split, replicated = stored
+    leaves: list[Any] = [None] * len(self.shapes)
+    for s, group in enumerate(self.stage_leaves):
+      row = (split[s], replicated[s])
+      for i, leaf in zip(group, self.stage_params(s, row, constrain=False), strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
 @dataclasses.dataclass(frozen=True)
 class StagedModel:
   """The model cut for one microbatch shape, on flat buffers.
 
-  `forward(stage, row, act, x, y)` runs stage `stage` (a Python int) on its flat
-  params `row`; its input is `x` for stage 0 and the padded activation `act`
-  otherwise. It returns the padded output and the microbatch loss (0 except on
-  the last stage).
+  `forward(stage, row, act, x, y)` runs stage `stage` (a Python int) on its
+  params `row` (a flat buffer for `FlatLayout`, a pair for `SplitLayout`); its
+  input is `x` for stage 0 and the padded activation `act` otherwise. It
+  returns the padded output and the microbatch loss (0 except on the last
+  stage).
   """
 
-  layout: FlatLayout
+  layout: FlatLayout | SplitLayout
   program: partition_lib.StageProgram
   width: int
   loss_fn: Callable[[jax.Array, jax.Array], jax.Array]
@@ -180,7 +352,8 @@ def pipeline_loss_and_grad(
   Args:
     staged: the model cut into stages.
     schedule: the tick table.
-    row: this device's `[size]` flat stage params (device-varying).
+    row: this device's stage params (device-varying): a `[size]` flat buffer,
+      or for `SplitLayout` a pair `([parts, split_size], [replicated_size])`.
     inputs: this device's batch block `[B, ...]`.
     labels: `[B, ...]`.
     stage_axis: the mesh axis the stages lie along.
@@ -188,13 +361,14 @@ def pipeline_loss_and_grad(
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
-    gradient of it with respect to `row`, not yet averaged over data replicas.
+    gradient of it with respect to `row` (shaped like it), not yet averaged
+    over data replicas.
   """
   P, M = schedule.stages, schedule.microbatches
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
   ys = labels.reshape(M, mb, *labels.shape[1:])
-  W, dtype = staged.width, row.dtype
+  W, dtype = staged.width, staged.layout.dtype
   stage = lax.axis_index(stage_axis)
   tables = jnp.asarray(
     np.stack(
@@ -210,7 +384,7 @@ def pipeline_loss_and_grad(
   )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
-  zero_row = jnp.zeros_like(row)
+  zero_row = staged.layout.constrain(jax.tree.map(jnp.zeros_like, row))
   zero_loss = jnp.zeros((), jnp.float32)
 
   def idle(row, act, grad, x, y):
@@ -256,7 +430,8 @@ def pipeline_loss_and_grad(
     )
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
-    return stash, inbox, grads + d_row, loss + d_loss
+    grads = staged.layout.constrain(jax.tree.map(jnp.add, grads, d_row))
+    return stash, inbox, grads, loss + d_loss
 
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
@@ -285,7 +460,7 @@ def pipeline_forward(
   P, M = staged.num_stages, microbatches
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
-  W, dtype = staged.width, row.dtype
+  W, dtype = staged.width, staged.layout.dtype
   stage = lax.axis_index(stage_axis)
   dummy_y = jnp.zeros((mb,), jnp.int32)
   out_aval = staged.program.boundaries[-1]

@@ -1,0 +1,129 @@
+"""Hybrid with a third mesh axis, "model": data x stage x model, Megatron pairs within stages."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import mlp
+
+import parstrat
+import parstrat.testing
+
+FEATURES = 12
+#: Cut before layer 3: stage 0 holds three linear layers (a pair, then a lone one),
+#: stage 1 holds two (one pair).
+ODD_STAGE = mlp([24, 21, 16, 16, 10])
+ODD_CUTS = (3,)
+
+
+def test_2x2x2_matches_single_device_jit_with_sgd_and_adam():
+  # NaN bubbles: an idle pipeline slot's value must never reach a loss or a gradient.
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS, bubble_value=float("nan"))
+  reports = parstrat.testing.check_strategy(
+    strategy, ODD_STAGE, steps=3, batch=16, features=FEATURES
+  )
+  assert [r.optimizer for r in reports] == ["sgd", "adam"]
+
+
+def test_each_device_holds_its_stage_and_one_tth_of_each_split_weight():
+  trainer = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS)(ODD_STAGE, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16, features=FEATURES)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  state, _ = trainer.step(state, (images[0], labels[0]))
+  mesh = trainer.mesh
+  assert dict(mesh.shape) == {"data": 2, "stage": 2, "model": 2}
+  split, replicated = state.params
+  params = trainer.params(state)
+  l0, l1, l2, l3, l4 = (params[f"mlp/~/linear_{i}"] for i in range(5))
+
+  # What model shard t of each stage must hold: its half of every split leaf.
+  def half(x, axis, t):
+    n = x.shape[axis] // 2
+    return np.moveaxis(np.asarray(x), axis, 0)[t * n : (t + 1) * n].reshape(-1)
+
+  def expected(stage, t):  # leaves in flattened order: b before w
+    if stage == 0:  # linear_0 column-parallel (b and w), linear_1 row-parallel (w)
+      return np.concatenate([half(l0["b"], 0, t), half(l0["w"], 1, t), half(l1["w"], 0, t)])
+    return np.concatenate([half(l3["b"], 0, t), half(l3["w"], 1, t), half(l4["w"], 0, t)])
+
+  split_sizes = [
+    (l0["w"].size + l0["b"].size + l1["w"].size) // 2,
+    (l3["w"].size + l3["b"].size + l4["w"].size) // 2,
+  ]
+  assert split.shape == (2, 2, max(split_sizes))
+  replicated_sizes = [l1["b"].size + l2["w"].size + l2["b"].size, l4["b"].size]
+  assert replicated.shape == (2, max(replicated_sizes))
+  for d in range(2):
+    for s in range(2):
+      for t in range(2):
+        device = mesh.devices[d, s, t]
+        (shard,) = [x for x in split.addressable_shards if x.device == device]
+        assert shard.index[:2] == (slice(s, s + 1), slice(t, t + 1))
+        assert shard.data.shape == (1, 1, max(split_sizes))
+        data = np.asarray(shard.data)[0, 0]
+        np.testing.assert_array_equal(data[: split_sizes[s]], expected(s, t))
+        np.testing.assert_array_equal(data[split_sizes[s] :], 0.0)  # padding
+        (shard,) = [x for x in replicated.addressable_shards if x.device == device]
+        assert shard.index[0] == slice(s, s + 1)
+        assert shard.data.shape == (1, max(replicated_sizes))
+  parstrat.checks.assert_replicas_equal(state)
+
+  # to_stored and to_params are exact inverses; apply computes the model.
+  plan = trainer.plan
+  again = plan.to_stored(plan.to_params(state.params))
+  for a, b in zip(again, state.params, strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  logits = trainer.apply(state, images[0])
+  assert {x.data.shape for x in logits.addressable_shards} == {(8, 10)}
+  np.testing.assert_allclose(
+    np.asarray(logits), ODD_STAGE.apply(params, None, images[0]), rtol=1e-5, atol=1e-6
+  )
+
+  text = plan.description
+  assert "tensor parallel over model=2" in text
+  assert "stage 0: mlp/~/linear_0: column-parallel; mlp/~/linear_1: row-parallel" in text
+  assert "stage 0: mlp/~/linear_2: replicated (lone layer at the end of the stage)" in text
+  assert "stage 1: mlp/~/linear_3: column-parallel; mlp/~/linear_4: row-parallel" in text
+
+
+def test_a_width_model_does_not_divide_is_replicated_and_still_trains():
+  model = mlp([21, 16, 16, 10])  # linear_0's width 21 is odd: no pair starts there
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2, cuts=(2,))
+  trainer = strategy(model, optax.sgd(0.1))
+  images, _ = parstrat.testing.random_batches(1, 16, features=FEATURES)
+  trainer.init(jax.random.key(0), images[0][:1])
+  text = trainer.plan.description
+  assert "stage 0: mlp/~/linear_0: replicated (its width 21 is not divisible by model=2)" in text
+  assert "stage 0: mlp/~/linear_1: replicated (lone layer at the end of the stage)" in text
+  assert "stage 1: mlp/~/linear_2: column-parallel; mlp/~/linear_3: row-parallel" in text
+  parstrat.testing.check_strategy(
+    strategy, model, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES
+  )
+
+
+def test_mesh_shapes_and_bad_model_sizes():
+  assert dict(parstrat.Hybrid(model=2).make_mesh().shape) == {"data": 2, "stage": 2, "model": 2}
+  assert dict(parstrat.Hybrid(data=4, model=2).make_mesh().shape) == {
+    "data": 4,
+    "stage": 1,
+    "model": 2,
+  }
+  assert dict(parstrat.Hybrid(stages=2, model=4).make_mesh().shape) == {
+    "data": 1,
+    "stage": 2,
+    "model": 4,
+  }
+  # model=1 (the default) keeps the two-axis mesh.
+  assert dict(parstrat.Hybrid(data=2, stages=4).make_mesh().shape) == {"data": 2, "stage": 4}
+  assert "model=2" in repr(parstrat.Hybrid(model=2))
+  with pytest.raises(ValueError, match=r"data=2 x stage=2 x model=3 needs 12 devices, but only 8"):
+    parstrat.Hybrid(data=2, stages=2, model=3).make_mesh()
+  with pytest.raises(ValueError, match=r"model=3 does not divide the 8 available devices"):
+    parstrat.Hybrid(model=3).make_mesh()
+  with pytest.raises(ValueError, match=r"model=3 x stages=2 does not divide the 8 available"):
+    parstrat.Hybrid(stages=2, model=3).make_mesh()
+  with pytest.raises(ValueError, match=r"data=3 does not divide the 4 devices left per model=2"):
+    parstrat.Hybrid(data=3, model=2).make_mesh()
+  for bad in (0, -2, 1.5, True, None):
+    with pytest.raises(ValueError, match=rf"model must be a positive integer, got {bad!r}"):
+      parstrat.Hybrid(data=2, stages=2, model=bad).make_mesh()
