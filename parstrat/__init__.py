@@ -3,6 +3,10 @@
 from parstrat import checks
 from parstrat import collectives
 from parstrat import pipeline
+from parstrat._src.auto import Auto
+from parstrat._src.auto import Candidate
+from parstrat._src.auto import Choice
+from parstrat._src.auto import CostModel
 from parstrat._src.data_parallel import DataParallel
 from parstrat._src.fsdp import FSDP
 from parstrat._src.hybrid import Hybrid
@@ -15,6 +19,7 @@ from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
+from parstrat._src.strategy import accumulate_gradients
 from parstrat._src.strategy import build_mesh
 from parstrat._src.strategy import softmax_cross_entropy
 from parstrat._src.tensor_parallel import TensorParallel
@@ -22,6 +27,10 @@ from parstrat._src.tensor_parallel import TensorParallel
 __version__ = "0.1.0"
 
 __all__ = [
+  "Auto",
+  "Candidate",
+  "Choice",
+  "CostModel",
   "DataParallel",
   "FSDP",
   "Hybrid",
@@ -31,6 +40,7 @@ __all__ = [
   "TensorParallel",
   "TrainState",
   "Trainer",
+  "accumulate_gradients",
   "available",
   "build_mesh",
   "checks",

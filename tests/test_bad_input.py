@@ -27,7 +27,7 @@ def _trainer(strategy=None, model=SEED_MLP):
 CASES = [
   # registry
   ("unknown strategy", lambda: parstrat.get("fsdpp"), KeyError, "Unknown strategy 'fsdpp'"),
-  ("unknown option", lambda: parstrat.get("hybrid", model=2), TypeError, "no option 'model'"),
+  ("unknown option", lambda: parstrat.get("fsdp", stages=2), TypeError, "no option 'stages'"),
   ("empty name", lambda: parstrat.register("")(parstrat.DataParallel), ValueError, "non-empty"),
   # constructors and meshes
   ("zero data", lambda: parstrat.DataParallel(data=0).make_mesh(), ValueError, "got 0"),

@@ -114,7 +114,27 @@ def test_list_shows_every_strategy_with_axes(capsys):
   out = capsys.readouterr().out
   assert "data_parallel    axes: data" in out
   assert "pipeline         axes: stage" in out
-  assert "hybrid           axes: data, stage" in out
+  assert "hybrid           axes: data, stage, model" in out
+  assert "fsdp             axes: data" in out
+  assert "tensor           axes: model" in out
+  assert "auto             axes: chosen" in out
+
+
+def test_train_auto_prints_its_choice_and_refuses_clearly(capsys):
+  common = ["train", "--strategy", "auto", "--devices", "2", "--hidden", "64", "--source",
+            "sample", "--batch-size", "64", "--no-progress"]  # fmt: skip
+  code = cli.main(
+    [*common, "--steps", "2", "--epochs", "1", "--precision", "mixed_bfloat16", "--accumulate", "2"]
+  )
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "parstrat auto: 6 candidates, memory budget none per device" in out
+  for label in ("data_parallel [data=2]", "fsdp zero=1 [data=2]", "tensor [model=2]"):
+    assert label in out
+  assert "chose " in out and "eval accuracy" in out
+  assert cli.main([*common, "--memory-budget", "1KiB"]) == 2
+  err = capsys.readouterr().err
+  assert "No strategy fits memory_budget='1KiB' (1.00 KiB per device): the smallest, " in err
 
 
 def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path):

@@ -110,6 +110,7 @@ CONFORMANCE = {
   "hybrid": parstrat.Hybrid(data=4, stages=2),
   "fsdp": parstrat.FSDP(data=8),
   "tensor": parstrat.TensorParallel(model=4),
+  "auto": parstrat.Auto(candidates=("data_parallel", "tensor"), verbose=False),
 }
 
 

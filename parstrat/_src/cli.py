@@ -68,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--stages", type=_positive, default=None, help="pipeline stages")
   train.add_argument("--model", type=_positive, default=None, help="tensor-parallel devices")
   train.add_argument("--microbatches", type=_positive, default=None)
+  train.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="fsdp's ZeRO stage")
+  train.add_argument(
+    "--memory-budget",
+    default=None,
+    help="for --strategy auto: bytes per device, e.g. 512MiB (default: no limit)",
+  )
+  train.add_argument(
+    "--precision",
+    default=None,
+    help="mixed precision: mixed_bfloat16 (bfloat16 compute, float32 params) or a jmp policy",
+  )
+  train.add_argument(
+    "--accumulate", type=_positive, default=1, help="gradient accumulation microsteps per step"
+  )
   train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
@@ -134,12 +148,16 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   import dataclasses
 
   import parstrat
+  from parstrat._src import distributed
 
   config = {}
-  for key in ("data", "stages", "model", "microbatches", "schedule"):
+  for key in ("data", "stages", "model", "microbatches", "schedule", "zero", "memory_budget"):
     value = getattr(args, key)
     if value is not None:
       config[key] = value
+  if parstrat._src.registry.lookup(name).deferred:  # "auto" measures the real batch
+    config = {k: v for k, v in config.items() if k == "memory_budget"}
+    config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
   if compare:
     cls = parstrat._src.registry.lookup(name)
     options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
@@ -207,7 +225,8 @@ def train(args: argparse.Namespace) -> dict:
       strategies[name] = parstrat.get(
         name, devices=devices, **_strategy_config(args, name, compare=bool(args.compare))
       )
-      strategies[name].make_mesh()  # fail on an impossible mesh before loading any data
+      if not strategies[name].deferred:  # fail on an impossible mesh before loading data
+        strategies[name].make_mesh()
     except KeyError as e:
       raise UsageError(e.args[0]) from None
     except (TypeError, ValueError) as e:
@@ -259,12 +278,18 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
   from parstrat._src import datasets
 
   try:
-    trainer = strategy(model, optax.adam(args.lr), skip_nonfinite=not args.stop_on_nonfinite)
+    trainer = strategy(
+      model,
+      optax.adam(args.lr),
+      skip_nonfinite=not args.stop_on_nonfinite,
+      precision=args.precision,
+      accumulate=args.accumulate,
+    )
     state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
     rows = trainer.local_batch_rows(args.batch_size)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
-  say(f"strategy: {strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  say(f"strategy: {trainer.strategy!r} on mesh {dict(trainer.mesh.shape)}")
   if jax.process_count() > 1:
     say(f"processes: {jax.process_count()}, {jax.local_device_count()} devices each")
   if trainer.plan.description:
@@ -418,8 +443,8 @@ def list_strategies() -> None:
   for name in parstrat.available():
     cls = parstrat._src.registry.lookup(name)
     doc = (cls.__doc__ or "").strip().splitlines()
-    axes = ", ".join(cls.axis_names) or "-"
-    print(f"{name:<16} axes: {axes:<14} {doc[0] if doc else ''}")
+    axes = "chosen" if cls.deferred else ", ".join(cls.axis_names) or "-"
+    print(f"{name:<16} axes: {axes:<20} {doc[0] if doc else ''}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,480 @@
+"""Auto: choose a registered strategy and mesh shape from measured memory and a cost model.
+
+For every registered strategy that declares mesh axes, and every way to lay
+those axes over the devices, "auto" builds the trainer abstractly (no array is
+allocated), compiles its step for the real batch and reads the per-device
+memory from `compiled.memory_analysis()`. Candidates over `memory_budget` are
+dropped; the rest are ranked by an estimated step time:
+
+    time = compute + communication + latency
+
+    compute       = 3 * FLOPs/example * B / (D * S * T)       (forward + backward)
+                    x (M + S - 1) / M                          (pipeline bubble, S > 1)
+                    x 4 / 3                                    (1F1B recomputes forwards)
+    communication = bytes moved per device / bytes_per_second, summing
+      "data"  : gradient_traffic * (D - 1) / D * gradient bytes per device
+                (2 for DataParallel's all-reduce, 3 for ZeRO-3 and ZeRO-1)
+      "model" : per column/row pair, an all-reduce of the pair's output in
+                the forward pass and of its input's gradient in the backward
+                pass (none for the first layer's input), 2 (T - 1) / T * bytes
+      "stage" : each microbatch's activation forward and its gradient back
+                across the widest stage boundary
+    latency       = collective_latency * collectives per step
+
+with D, S, T the "data", "stage" and "model" axis sizes, B the global batch
+and M the microbatches. FLOPs come from the model's jaxpr (2 per multiply-add
+of a matmul, 1 per element otherwise). The device constants are assumptions a
+user can change; the ranking depends on their ratios, not on a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from parstrat._src import registry
+from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.sharded_params import layer_order
+from parstrat._src.sharded_params import megatron_specs
+from parstrat._src.strategy import Strategy
+from parstrat._src.strategy import Trainer
+from parstrat._src.strategy import available_devices
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+  """`1_000_000`, "512MiB", "2GB", "1.5 GiB" -> bytes; None stays None.
+
+  Raises:
+    ValueError: for a negative number or text that is not a size.
+  """
+  if value is None:
+    return None
+  if isinstance(value, str):
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match and match.group(2).lower()
+    if not match or unit not in _UNITS:
+      raise ValueError(
+        f"memory_budget must be a number of bytes or a size like '512MiB' or '2GB', got {value!r}."
+      )
+    return int(float(match.group(1)) * _UNITS[unit])
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
+    raise ValueError(f"memory_budget must be a positive number of bytes, got {value!r}.")
+  return int(value)
+
+
+def format_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(n) < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStats:
+  """What the cost model needs to know about the model.
+
+  Attributes:
+    param_bytes: bytes of all parameters.
+    flops_per_example: forward FLOPs per example.
+    boundary_widths: elements per example crossing each cuttable layer boundary.
+    tensor_pairs: for tensor parallelism, `(input width or 0 for the model's
+      input, output width)` of each column/row pair.
+  """
+
+  param_bytes: int
+  flops_per_example: int
+  boundary_widths: tuple[int, ...]
+  tensor_pairs: tuple[tuple[int, int], ...]
+
+  @classmethod
+  def of(cls, model, sample_params, sample_inputs: jax.ShapeDtypeStruct) -> ModelStats:
+    apply = lambda p, x: model.apply(p, None, x)  # noqa: E731
+    trace = partition_lib._trace(apply, sample_params, sample_inputs)  # noqa: SLF001
+    flops = sum(partition_lib._eqn_flops(eqn) for eqn in trace.jaxpr.eqns)  # noqa: SLF001
+    analysis = partition_lib._analyse(trace)  # noqa: SLF001
+    widths = []
+    for k in range(1, len(analysis.layer_order)):
+      cut, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
+      if cut is not None:
+        widths.append(partition_lib.flat_width(analysis.live[cut][0].aval))
+    pairs = []
+    order = layer_order(model, sample_params, sample_inputs)
+    try:
+      _, notes = megatron_specs(sample_params, order, "model", 1)
+    except (KeyError, TypeError, AttributeError):  # not a stack of linear layers
+      notes = []
+    for note in notes:
+      if "column-parallel" in note:
+        first = note.split(":")[0]
+        second = order[order.index(first) + 1]
+        width_in = 0 if order.index(first) == 0 else sample_params[first]["w"].shape[0]
+        pairs.append((width_in, sample_params[second]["w"].shape[1]))
+    leaves = jax.tree.leaves(sample_params)
+    return cls(
+      param_bytes=sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves),
+      flops_per_example=flops // max(int(sample_inputs.shape[0]), 1),
+      boundary_widths=tuple(widths),
+      tensor_pairs=tuple(pairs),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One strategy on one mesh, as measured and estimated.
+
+  Attributes:
+    name: the registered name.
+    strategy: the configured strategy.
+    mesh: axis name -> size.
+    peak_bytes: per-device memory of the compiled step (arguments + outputs not
+      aliased to them + temporaries), or None if it could not be built.
+    state_bytes: per-device bytes of params and optimizer state.
+    compute_s, comm_bytes, comm_s, latency_s, time_s: the cost model's terms.
+    problem: why the candidate cannot run (empty when it can).
+  """
+
+  name: str
+  strategy: Strategy
+  mesh: dict[str, int]
+  peak_bytes: int | None = None
+  state_bytes: int | None = None
+  compute_s: float = math.inf
+  comm_bytes: float = math.inf
+  comm_s: float = math.inf
+  latency_s: float = math.inf
+  time_s: float = math.inf
+  problem: str = ""
+
+  @property
+  def label(self) -> str:
+    extra = ""
+    zero = getattr(self.strategy, "zero", None)
+    if zero is not None:
+      extra = f" zero={zero}"
+    mesh = ", ".join(f"{axis}={size}" for axis, size in self.mesh.items())
+    return f"{self.name}{extra} [{mesh}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What "auto" chose and why; `str(choice)` is the ranked table."""
+
+  strategy: Strategy
+  ranked: tuple[Candidate, ...]
+  budget: int | None
+  reason: str
+
+  def __str__(self) -> str:
+    return format_table(self.ranked, self.budget, self.reason)
+
+
+def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -> str:
+  """The ranked candidates as a table, then `reason`."""
+  shown = "none" if budget is None else format_bytes(budget)
+  lines = [f"parstrat auto: {len(ranked)} candidates, memory budget {shown} per device"]
+  lines.append(
+    f"{'#':>2}  {'candidate':<40} {'peak/device':>12} {'state/device':>12} "
+    f"{'compute':>9} {'comm':>11} {'est. step':>10}  note"
+  )
+  for i, c in enumerate(ranked, 1):
+    if c.problem and c.peak_bytes is None:
+      lines.append(
+        f"{i:>2}  {c.label:<40} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
+      )
+      continue
+    lines.append(
+      f"{i:>2}  {c.label:<40} {format_bytes(c.peak_bytes):>12} "
+      f"{format_bytes(c.state_bytes):>12} {c.compute_s * 1e6:>7.1f}us "
+      f"{format_bytes(c.comm_bytes):>11} {c.time_s * 1e6:>8.1f}us  {c.problem}"
+    )
+  lines.append(reason)
+  return "\n".join(lines)
+
+
+def enumerate_meshes(axes: Sequence[str], devices: int) -> list[dict[str, int]]:
+  """Every way to give `axes` sizes whose product is `devices`.
+
+  With several axes, shapes where fewer than two axes are longer than 1 are
+  left out: they are another (single-axis) strategy's candidates.
+  """
+  divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+  shapes = []
+  for sizes in itertools.product(divisors, repeat=len(axes)):
+    if math.prod(sizes) != devices:
+      continue
+    if len(axes) > 1 and sum(s > 1 for s in sizes) < 2:
+      continue
+    shapes.append(dict(zip(axes, sizes, strict=True)))
+  return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """The device constants the estimate is made with (documented in the module)."""
+
+  flops_per_second: float = 1e14
+  bytes_per_second: float = 1e11
+  collective_latency: float = 1e-5
+
+  def estimate(
+    self, strategy: Strategy, mesh: dict[str, int], stats: ModelStats, batch: int
+  ) -> dict[str, float]:
+    data, stages, tensor = (mesh.get(a, 1) for a in ("data", "stage", "model"))
+    compute = 3 * stats.flops_per_example * batch / (data * stages * tensor)
+    collectives = 0
+    comm = 0.0
+    if stages > 1:
+      micro = getattr(strategy, "microbatches", None) or stages
+      compute *= (micro + stages - 1) / micro
+      if getattr(strategy, "schedule", "gpipe") == "1f1b":
+        compute *= 4 / 3
+      width = max(stats.boundary_widths, default=0)
+      comm += 2 * (batch / data) * width * 4
+      collectives += 2 * (micro + stages - 1)
+    if data > 1:
+      traffic, count = strategy.gradient_traffic
+      comm += traffic * (data - 1) / data * stats.param_bytes / (stages * tensor)
+      collectives += count
+    if tensor > 1:
+      ring = 2 * (tensor - 1) / tensor
+      for width_in, width_out in stats.tensor_pairs:
+        comm += ring * (batch / data) * (width_in + width_out) * 4
+        collectives += 2 if width_in else 1
+    return {
+      "compute_s": compute / self.flops_per_second,
+      "comm_bytes": comm,
+      "comm_s": comm / self.bytes_per_second,
+      "latency_s": collectives * self.collective_latency,
+    }
+
+
+def measure(trainer: Trainer, sample_inputs, batch: int, label_shape=(), label_dtype="int32"):
+  """(peak bytes, state bytes) per device of `trainer`'s compiled step, allocating nothing."""
+  state = trainer.init_abstract(jax.random.key(0), sample_inputs)
+  images = jax.ShapeDtypeStruct((batch, *sample_inputs.shape[1:]), sample_inputs.dtype)
+  labels = jax.ShapeDtypeStruct((batch, *label_shape), label_dtype)
+  compiled = trainer.lower(state, (images, labels)).compile()
+  memory = compiled.memory_analysis()
+  peak = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+  )
+  state_bytes = sum(_per_device_bytes(x) for x in jax.tree.leaves((state.params, state.opt_state)))
+  return int(peak), int(state_bytes)
+
+
+def _per_device_bytes(x: jax.ShapeDtypeStruct) -> int:
+  shard = x.sharding.shard_shape(x.shape)
+  return int(np.prod(shard)) * x.dtype.itemsize
+
+
+@registry.register("auto")
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class Auto(Strategy):
+  """Chooses a registered strategy and mesh shape when the trainer is initialised.
+
+  `trainer.init` measures every candidate (each registered strategy with mesh
+  axes, on each mesh shape over the devices): the per-device memory of its
+  compiled step, from XLA's memory analysis, and an estimated step time from
+  the cost model in this module's docstring. Among those within
+  `memory_budget` the fastest estimate wins (ties: less memory, then name);
+  the ranked table and the reason are printed (`verbose`) and kept in
+  `trainer.choice`. The trainer then runs the winner as if it had been asked
+  for by name.
+
+  Args:
+    memory_budget: bytes per device (an int or a size such as "512MiB");
+      None: no limit.
+    batch_size: the global batch `step` will get (default: the batch size of
+      the sample given to `init`).
+    candidates: registered names to consider (default: every registered
+      strategy that declares mesh axes).
+    cost_model: the device constants of the estimate.
+    verbose: print the ranked table at `init`.
+    devices: the devices to lay out over (default: all).
+
+  Raises:
+    ValueError (at `init`): when no candidate fits the budget; the message
+      holds the table.
+
+  Example:
+    >>> import parstrat
+    >>> parstrat.get("auto", memory_budget="64MiB")
+    Auto(memory_budget='64MiB')
+  """
+
+  memory_budget: int | str | None = None
+  batch_size: int | None = None
+  candidates: tuple[str, ...] | None = None
+  cost_model: CostModel = CostModel()
+  verbose: bool = True
+  deferred = True
+
+  def __post_init__(self):
+    parse_bytes(self.memory_budget)
+    if self.batch_size is not None and (
+      isinstance(self.batch_size, bool)
+      or not isinstance(self.batch_size, int)
+      or self.batch_size < 1
+    ):
+      raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}.")
+    for name in self.candidates or ():
+      if name == "auto":
+        raise ValueError("'auto' cannot be its own candidate.")
+      registry.lookup(name)
+
+  def make_mesh(self):
+    raise ValueError(
+      "'auto' chooses its mesh when the trainer is initialised: call "
+      "strategy(model, optimizer).init(rng, sample_inputs)."
+    )
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    raise ValueError("'auto' has no plan of its own; it runs the strategy it chooses.")
+
+  def resolve(self, trainer: Trainer, sample_inputs) -> Strategy:
+    choice = self.choose(
+      trainer.model,
+      trainer.optimizer,
+      sample_inputs,
+      loss_fn=trainer.loss_fn,
+      precision=trainer.policy,
+      accumulate=trainer.accumulate,
+    )
+    trainer.choice = choice
+    if self.verbose:
+      print(choice)
+    return choice.strategy
+
+  def choose(self, model, optimizer, sample_inputs, **trainer_options: Any) -> Choice:
+    """Measures and ranks the candidates for `model`; see the class docstring.
+
+    Args:
+      model: an `hk.Transformed`.
+      optimizer: an optax optimizer.
+      sample_inputs: example inputs `[B, ...]` (B is the batch size unless
+        `batch_size` is set).
+      **trainer_options: `loss_fn`, `precision`, `accumulate`, as for the trainer.
+
+    Returns:
+      A `Choice`: the winning strategy, the ranked candidates and the reason.
+
+    Raises:
+      ValueError: if no candidate fits `memory_budget` (or none can run).
+    """
+    measured = self.measure(model, optimizer, sample_inputs, **trainer_options)
+    return rank(measured, self.memory_budget)
+
+  def measure(
+    self,
+    model,
+    optimizer,
+    sample_inputs,
+    *,
+    loss_fn=None,
+    precision: Any = None,
+    accumulate: int = 1,
+  ) -> list[Candidate]:
+    """Builds, compiles and estimates every candidate; `rank` then picks one.
+
+    Candidates that cannot run (a mesh the model cannot be cut for, a batch
+    that does not split) come back with `problem` saying why.
+    """
+    devices = available_devices(self.devices)
+    batch = self.batch_size or int(sample_inputs.shape[0])
+    sample = np.zeros((1, *sample_inputs.shape[1:]), sample_inputs.dtype)
+    abstract_params = jax.eval_shape(model.init, jax.random.key(0), sample)
+    stats = ModelStats.of(
+      model, abstract_params, jax.ShapeDtypeStruct((batch, *sample.shape[1:]), sample.dtype)
+    )
+    options = dict(loss_fn=loss_fn, precision=precision, accumulate=accumulate)
+    measured = []
+    for name in self.candidates or registry.available():
+      cls = registry.lookup(name)
+      if getattr(cls, "deferred", False) or not cls.axis_names:
+        continue
+      for mesh in enumerate_meshes(cls.axis_names, len(devices)):
+        for strategy in cls.candidates_for(mesh, devices):
+          candidate = Candidate(name, strategy, mesh)
+          try:
+            trainer = strategy(model, optimizer, **options)
+            peak, state_bytes = measure(trainer, sample, batch)
+          except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            measured.append(dataclasses.replace(candidate, problem=f"cannot run: {message}"))
+            continue
+          estimate = self.cost_model.estimate(strategy, mesh, stats, batch)
+          time_s = estimate["compute_s"] + estimate["comm_s"] + estimate["latency_s"]
+          measured.append(
+            dataclasses.replace(
+              candidate, peak_bytes=peak, state_bytes=state_bytes, time_s=time_s, **estimate
+            )
+          )
+    return measured
+
+
+def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Choice:
+  """Chooses among measured candidates: the fastest estimate within the budget.
+
+  Ties go to less memory, then to the label, so the choice is a pure function
+  of the measurements.
+
+  Raises:
+    ValueError: if no candidate fits `memory_budget`; the message holds the table.
+  """
+  budget = parse_bytes(memory_budget)
+
+  def over(c: Candidate) -> bool:
+    return budget is not None and c.peak_bytes > budget
+
+  runnable = [c for c in candidates if c.peak_bytes is not None]
+  speed = lambda c: (c.time_s, c.peak_bytes, c.label)  # noqa: E731
+  fits = sorted((c for c in runnable if not over(c)), key=speed)
+  too_big = sorted(
+    (
+      dataclasses.replace(c, problem=f"over budget by {format_bytes(c.peak_bytes - budget)}")
+      for c in runnable
+      if over(c)
+    ),
+    key=lambda c: (c.peak_bytes, c.label),
+  )
+  failed = sorted((c for c in candidates if c.peak_bytes is None), key=lambda c: c.label)
+  table = (*fits, *too_big, *failed)
+  if not fits:
+    detail = (
+      f"the smallest, {too_big[0].label}, needs {format_bytes(too_big[0].peak_bytes)} per device"
+      if too_big
+      else "no candidate could be built"
+    )
+    raise ValueError(
+      f"No strategy fits memory_budget={memory_budget!r} "
+      f"({format_bytes(budget) if budget else 'no limit'} per device): {detail}.\n"
+      + format_table(table, budget, "nothing chosen")
+    )
+  winner = fits[0]
+  reason = f"chose {winner.label}: the fastest estimated step"
+  if budget is None:
+    reason += " (no memory budget)"
+  else:
+    reason += f" of the {len(fits)} candidate(s) within the budget"
+  if len(fits) > 1:
+    reason += f"; next, {fits[1].label}, is {fits[1].time_s / winner.time_s:.2f}x slower"
+  fastest = min(runnable, key=speed)
+  if over(fastest):
+    reason += (
+      f"; the fastest overall, {fastest.label}, needs {format_bytes(fastest.peak_bytes)} per device"
+    )
+  return Choice(winner.strategy, table, budget, reason)

@@ -1,0 +1,204 @@
+"""The "auto" strategy: measured memory, a documented cost model, a clear refusal."""
+
+import dataclasses
+
+import haiku as hk
+import jax
+import numpy as np
+import optax
+import pytest
+
+import parstrat
+from parstrat._src import auto as auto_lib
+from parstrat.testing import ADAM_PARAM_ATOL
+from parstrat.testing import random_batches
+from parstrat.testing import reference_run
+
+FEATURES = 64
+BATCH = 256
+CANDIDATES = ("data_parallel", "fsdp", "tensor", "pipeline")
+
+
+def wide_mlp() -> hk.Transformed:
+  # Four linear layers: a batch of 256 over a width of 256 makes tensor
+  # parallelism's activation all-reduces cost more than the gradients' one.
+  return hk.transform(lambda x: hk.nets.MLP([256, 256, 256, 10], activation=jax.nn.swish)(x))
+
+
+@pytest.fixture(scope="module")
+def measured():
+  strategy = parstrat.Auto(devices=jax.devices()[:4], candidates=CANDIDATES, verbose=False)
+  inputs = np.zeros((BATCH, FEATURES), np.float32)
+  return strategy.measure(wide_mlp(), optax.adam(1e-3), inputs)
+
+
+def by_label(candidates):
+  return {c.label: c for c in candidates}
+
+
+def test_measures_every_candidate_on_every_mesh_shape(measured):
+  labels = sorted(c.label for c in measured)
+  assert labels == [
+    "data_parallel [data=4]",
+    "fsdp zero=1 [data=4]",
+    "fsdp zero=2 [data=4]",
+    "fsdp zero=3 [data=4]",
+    "pipeline [stage=4]",
+    "tensor [model=4]",
+  ]
+  for c in measured:
+    assert c.peak_bytes > c.state_bytes > 0, c
+    assert c.time_s == pytest.approx(c.compute_s + c.comm_s + c.latency_s)
+
+
+def test_memory_comes_from_the_layouts(measured):
+  c = by_label(measured)
+  dp, zero3 = c["data_parallel [data=4]"], c["fsdp zero=3 [data=4]"]
+  zero1 = c["fsdp zero=1 [data=4]"]
+  # Adam: params + mu + nu. ZeRO-3 shards all three, ZeRO-1 only mu and nu.
+  assert zero3.state_bytes < 0.3 * dp.state_bytes
+  assert zero3.state_bytes < zero1.state_bytes < dp.state_bytes
+  assert zero3.peak_bytes < dp.peak_bytes
+
+
+def test_cost_model_terms_follow_the_documented_formulas(measured):
+  c = by_label(measured)
+  stats_bytes = c["data_parallel [data=4]"].comm_bytes / (2 * 3 / 4)  # all-reduce of grads
+  params = sum(
+    int(np.prod(x.shape)) * 4
+    for x in jax.tree.leaves(
+      jax.eval_shape(wide_mlp().init, jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+    )
+  )
+  assert stats_bytes == pytest.approx(params)
+  assert c["fsdp zero=3 [data=4]"].comm_bytes == pytest.approx(3 * 3 / 4 * params)
+  assert c["fsdp zero=2 [data=4]"].comm_bytes == pytest.approx(2 * 3 / 4 * params)
+  # The pipeline pays a bubble of (M + P - 1) / M with M = P = 4, and 1F1B's
+  # recomputed forwards, on a quarter of the work.
+  dp, pipe = c["data_parallel [data=4]"], c["pipeline [stage=4]"]
+  assert pipe.compute_s == pytest.approx(dp.compute_s * 7 / 4 * 4 / 3)
+
+
+def test_chooses_data_parallel_when_everything_fits(measured):
+  choice = auto_lib.rank(measured, None)
+  assert type(choice.strategy) is parstrat.DataParallel
+  assert choice.strategy.data == 4
+  text = str(choice)
+  assert "chose data_parallel [data=4]" in text
+  for c in measured:
+    assert c.label in text
+
+
+def test_a_shrinking_budget_moves_the_choice_to_sharded_layouts(measured):
+  c = by_label(measured)
+  dp = c["data_parallel [data=4]"]
+  choice = auto_lib.rank(measured, dp.peak_bytes - 1)
+  assert type(choice.strategy) in (parstrat.FSDP, parstrat.PipelineModelParallel)
+  assert "over budget" in str(choice)
+  smallest = min(measured, key=lambda x: x.peak_bytes)
+  choice = auto_lib.rank(measured, smallest.peak_bytes)
+  assert choice.strategy == smallest.strategy
+  assert smallest.label.startswith(("fsdp", "pipeline"))
+
+
+def test_refuses_clearly_when_nothing_fits(measured):
+  smallest = min(measured, key=lambda x: x.peak_bytes)
+  with pytest.raises(ValueError, match=r"No strategy fits memory_budget=1000 ") as e:
+    auto_lib.rank(measured, 1000)
+  assert smallest.label in str(e.value)
+  assert "data_parallel [data=4]" in str(e.value)  # the table comes with the refusal
+
+
+def test_the_choice_is_deterministic(measured):
+  shuffled = list(reversed(measured))
+  assert str(auto_lib.rank(shuffled, None)) == str(auto_lib.rank(measured, None))
+  again = parstrat.Auto(
+    devices=jax.devices()[:4], candidates=("data_parallel", "fsdp"), verbose=False
+  ).measure(wide_mlp(), optax.adam(1e-3), np.zeros((BATCH, FEATURES), np.float32))
+  first = by_label(measured)
+  for c in again:
+    assert (c.peak_bytes, c.state_bytes, c.time_s) == (
+      first[c.label].peak_bytes,
+      first[c.label].state_bytes,
+      first[c.label].time_s,
+    )
+
+
+def test_trainer_runs_the_choice_and_matches_single_device_jit(measured, capsys):
+  model = wide_mlp()
+  images, labels = random_batches(3, BATCH, FEATURES)
+  budget = by_label(measured)["data_parallel [data=4]"].peak_bytes - 1
+  strategy = parstrat.get(
+    "auto", memory_budget=budget, devices=jax.devices()[:4], candidates=("data_parallel", "fsdp")
+  )
+  trainer = strategy(model, optax.adam(1e-3))  # the optimizer `measured` was taken with
+  assert trainer.mesh is None and "chosen at init" in repr(trainer)
+  state = trainer.init(jax.random.key(0), images[0])
+  printed = capsys.readouterr().out
+  assert "chose fsdp" in printed and "data_parallel [data=4]" in printed
+  assert type(trainer.strategy) is parstrat.FSDP
+  assert dict(trainer.mesh.shape) == {"data": 4}
+  assert trainer.choice.strategy is trainer.strategy
+  losses = []
+  for x, y in zip(images, labels, strict=True):
+    state, metrics = trainer.step(state, (x, y))
+    losses.append(float(metrics["loss"]))
+  params0 = jax.jit(model.init)(jax.random.key(0), images[0][:1])
+  ref_losses, ref_params = reference_run(model, optax.adam(1e-3), images, labels, params0)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=ADAM_PARAM_ATOL),
+    trainer.params(state),
+    ref_params,
+  )
+
+
+def test_a_custom_strategy_takes_part_by_declaring_its_axes(measured):
+  @parstrat.register("test_auto_custom_dp")
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class CustomDataParallel(parstrat.DataParallel):
+    """DataParallel under another name; its `data` field takes the axis size."""
+
+  try:
+    choice = parstrat.Auto(
+      devices=jax.devices()[:2], candidates=("test_auto_custom_dp",), verbose=False
+    ).choose(wide_mlp(), optax.sgd(0.1), np.zeros((32, FEATURES), np.float32))
+  finally:
+    parstrat.unregister("test_auto_custom_dp")
+  assert type(choice.strategy) is CustomDataParallel
+  assert choice.strategy.data == 2
+
+
+def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
+  shallow = hk.transform(lambda x: hk.nets.MLP([16, 10])(x))
+  measured_shallow = parstrat.Auto(
+    devices=jax.devices()[:4], candidates=("pipeline",), verbose=False
+  ).measure(shallow, optax.sgd(0.1), np.zeros((8, 4), np.float32))
+  (only,) = measured_shallow
+  assert only.peak_bytes is None
+  assert "stages=4 exceeds the model's 2 layers" in only.problem
+  with pytest.raises(ValueError, match="no candidate could be built"):
+    auto_lib.rank(measured_shallow, None)
+
+
+@pytest.mark.parametrize(
+  ("text", "expected"),
+  [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("1.5 GiB", int(1.5 * 2**30)), (4096, 4096)],
+)
+def test_parses_memory_budgets(text, expected):
+  assert auto_lib.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", -5, 0])
+def test_rejects_bad_budgets_naming_them(bad):
+  with pytest.raises(ValueError, match=repr(bad).replace("-", r"\-")):
+    parstrat.get("auto", memory_budget=bad)
+
+
+def test_auto_has_no_mesh_of_its_own():
+  with pytest.raises(ValueError, match="chooses its mesh when the trainer is initialised"):
+    parstrat.Auto().make_mesh()
+  with pytest.raises(ValueError, match="'auto' cannot be its own candidate"):
+    parstrat.Auto(candidates=("auto",))
+  with pytest.raises(KeyError, match="Unknown strategy 'fdsp'"):
+    parstrat.Auto(candidates=("fdsp",))
