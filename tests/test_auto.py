@@ -126,7 +126,7 @@ def test_the_choice_is_deterministic(measured):
 
 def test_trainer_runs_the_choice_and_matches_single_device_jit(measured, capsys):
   model = wide_mlp()
-  images, labels = random_batches(3, BATCH, FEATURES)
+  images, labels = random_batches(20, BATCH, FEATURES)
   budget = by_label(measured)["data_parallel [data=4]"].peak_bytes - 1
   strategy = parstrat.get(
     "auto", memory_budget=budget, devices=jax.devices()[:4], candidates=("data_parallel", "fsdp")

@@ -20,7 +20,7 @@ def test_2x2x2_matches_single_device_jit_with_sgd_and_adam():
   # NaN bubbles: an idle pipeline slot's value must never reach a loss or a gradient.
   strategy = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS, bubble_value=float("nan"))
   reports = parstrat.testing.check_strategy(
-    strategy, ODD_STAGE, steps=3, batch=16, features=FEATURES
+    strategy, ODD_STAGE, steps=20, batch=16, features=FEATURES
   )
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
 
@@ -127,3 +127,19 @@ def test_mesh_shapes_and_bad_model_sizes():
   for bad in (0, -2, 1.5, True, None):
     with pytest.raises(ValueError, match=rf"model must be a positive integer, got {bad!r}"):
       parstrat.Hybrid(data=2, stages=2, model=bad).make_mesh()
+
+
+def test_2x2x2_with_mixed_precision_and_accumulation():
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS)
+  parstrat.testing.check_strategy(
+    strategy,
+    ODD_STAGE,
+    [optax.sgd(0.1)],
+    steps=3,
+    batch=32,
+    features=FEATURES,
+    precision="mixed_bfloat16",
+    accumulate=2,
+    rtol=1e-3,
+    atol=1e-3,  # bfloat16: see tests/test_precision_and_accumulation.py
+  )

@@ -212,7 +212,10 @@ def test_nan_bubbles_never_leak():
     strategy = parstrat.PipelineModelParallel(
       stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
     )
-    reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, steps=3, batch=24)
+    # SGD only: whether a bubble leaks does not depend on the optimizer.
+    reports = parstrat.testing.check_strategy(
+      strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=24
+    )
     assert all(np.isfinite(r.losses).all() for r in reports)
 
 
