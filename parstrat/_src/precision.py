@@ -38,6 +38,13 @@ def resolve_policy(precision: Any) -> jmp.Policy | None:
     ValueError: for an unknown name, a float16 compute dtype (it needs loss
       scaling, which parstrat does not do; use bfloat16), or params or output
       that are not floating point.
+
+  Example:
+    >>> from parstrat._src.precision import resolve_policy, describe
+    >>> describe(resolve_policy("mixed_bfloat16"))
+    'params float32, compute bfloat16, output float32'
+    >>> resolve_policy("float32") is None
+    True
   """
   if precision is None:
     return None

@@ -880,6 +880,16 @@ def accumulate_gradients(
   Returns:
     `(loss, grads)` averaged over the k microsteps: the whole batch's mean loss
     and its gradient when every microstep has the same size.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, parstrat
+    >>> def loss_and_grad(w, x, y):
+    ...   return jax.value_and_grad(lambda w: jnp.mean((x * w - y) ** 2))(w)
+    >>> x, y = jnp.arange(8.0), jnp.ones(8)
+    >>> loss, grad = parstrat.accumulate_gradients(
+    ...     loss_and_grad, 1.0, x.reshape(4, 2), y.reshape(4, 2))
+    >>> bool(jnp.allclose(grad, loss_and_grad(1.0, x, y)[1]))
+    True
   """
   k = inputs.shape[0]
   first = loss_and_grad(params, inputs[0], labels[0])
