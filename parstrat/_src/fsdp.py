@@ -20,7 +20,7 @@ from parstrat._src.strategy import build_mesh
 @registry.register("fsdp")
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class FSDP(Strategy):
-  """Fully sharded data parallelism (ZeRO-3) over mesh axis "data".
+  """Fully sharded data parallelism over mesh axis "data": ZeRO-3, or ZeRO-1/2 with `zero`.
 
   Like `DataParallel` the batch is split over "data", but each parameter is
   also split over "data" along its largest dimension that the axis size divides
