@@ -4,6 +4,7 @@ import dataclasses
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -189,7 +190,7 @@ def test_parses_memory_budgets(text, expected):
   assert auto_lib.parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["lots", "12 parsecs", -5, 0])
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", -5, 0, "0MiB"])
 def test_rejects_bad_budgets_naming_them(bad):
   with pytest.raises(ValueError, match=repr(bad).replace("-", r"\-")):
     parstrat.get("auto", memory_budget=bad)
@@ -202,3 +203,41 @@ def test_auto_has_no_mesh_of_its_own():
     parstrat.Auto(candidates=("auto",))
   with pytest.raises(KeyError, match="Unknown strategy 'fdsp'"):
     parstrat.Auto(candidates=("fdsp",))
+
+
+def test_only_paired_layers_divide_over_model_and_reductions_scale_the_data_traffic():
+  cost = parstrat.CostModel()
+  unpaired = auto_lib.ModelStats(
+    param_bytes=4000, flops_per_example=1000, boundary_widths=(), tensor_pairs=()
+  )
+  tensor = cost.estimate(parstrat.TensorParallel(model=8), {"model": 8}, unpaired, batch=64)
+  # Nothing to split: every device computes the whole batch, with nothing to all-reduce.
+  assert tensor["compute_s"] == pytest.approx(3 * 1000 * 64 / cost.flops_per_second)
+  assert tensor["comm_bytes"] == 0
+  paired = dataclasses.replace(unpaired, tensor_pairs=((0, 10),), tensor_split_flops=800)
+  tensor = cost.estimate(parstrat.TensorParallel(model=8), {"model": 8}, paired, batch=64)
+  assert tensor["compute_s"] == pytest.approx(3 * (200 + 800 / 8) * 64 / cost.flops_per_second)
+  dp = parstrat.DataParallel(data=8)
+  once = cost.estimate(dp, {"data": 8}, unpaired, batch=64)
+  four = cost.estimate(dp, {"data": 8}, unpaired, batch=64, reductions=4)
+  assert once["comm_bytes"] > 0
+  assert four["comm_bytes"] == pytest.approx(4 * once["comm_bytes"])
+
+
+def test_custom_labels_and_models_the_pipeline_cannot_analyse():
+  def net(x):
+    hk.get_parameter("unused", (3,), init=jnp.zeros)  # the pipeline's analysis refuses this
+    return hk.Linear(10)(x)
+
+  def mse(outputs, targets):
+    return jnp.mean((outputs - targets) ** 2)
+
+  strategy = parstrat.Auto(
+    devices=jax.devices()[:2],
+    candidates=("data_parallel",),
+    label_shape=(10,),
+    label_dtype="float32",
+    verbose=False,
+  )
+  choice = strategy.choose(hk.transform(net), optax.sgd(0.1), np.zeros((8, 4)), loss_fn=mse)
+  assert type(choice.strategy) is parstrat.DataParallel

@@ -36,6 +36,22 @@ def test_seed_mlp_on_two_stages():
   assert "2 stages, cut by balanced params" in text and "401,920" in text
 
 
+def test_parameter_math_done_up_front_moves_to_its_layer():
+  # Like a precision policy, transform every weight before any layer runs, here
+  # through a long chain: left at the top, the results would cross every cut.
+  def apply(params, x):
+    def chain(w):
+      for _ in range(1500):
+        w = w * 1.0
+      return w.astype(jnp.bfloat16)
+
+    return SEED_MLP.apply(jax.tree.map(chain, params), None, x.astype(jnp.bfloat16))
+
+  params, x = _abstract(SEED_MLP)
+  plan = pipeline.plan_stages(apply, params, x, 2)
+  assert plan.stage_params() == [784 * 512 + 512, 512 * 10 + 10]
+
+
 @pytest.mark.parametrize("stages, k", [(4, 3), (8, 7), (4, 6)])
 def test_uniform_hidden_layers_balance_and_padding_is_bounded(stages, k):
   model = mlp([512] * k + [10])

@@ -8,21 +8,25 @@ dropped; the rest are ranked by an estimated step time:
 
     time = compute + communication + latency
 
-    compute       = 3 * FLOPs/example * B / (D * S * T)       (forward + backward)
-                    x (M + S - 1) / M                          (pipeline bubble, S > 1)
-                    x 4 / 3                                    (1F1B recomputes forwards)
+    compute       = 3 * (F - F_pairs + F_pairs / T) * B / (D * S)   (forward + backward)
+                    x (M + S - 1) / M              (pipeline bubble, S > 1)
+                    x 4 / 3                        (the pipeline recomputes stage forwards)
     communication = bytes moved per device / bytes_per_second, summing
-      "data"  : gradient_traffic * (D - 1) / D * gradient bytes per device
-                (2 for DataParallel's all-reduce, 3 for ZeRO-3 and ZeRO-1)
+      "data"  : gradient_traffic * (D - 1) / D * gradient bytes per device, per
+                reduction (2 for DataParallel's all-reduce, 3 for ZeRO-3 and
+                ZeRO-1; k reductions with `accumulate=k` on a plan that
+                reduces in every microstep)
       "model" : per column/row pair, an all-reduce of the pair's output in
                 the forward pass and of its input's gradient in the backward
-                pass (none for the first layer's input), 2 (T - 1) / T * bytes
+                pass (none for the first layer's input), 2 (T - 1) / T * bytes,
+                divided by S (a stage holds about 1/S of the pairs)
       "stage" : each microbatch's activation forward and its gradient back
                 across the widest stage boundary
     latency       = collective_latency * collectives per step
 
-with D, S, T the "data", "stage" and "model" axis sizes, B the global batch
-and M the microbatches. FLOPs come from the model's jaxpr (2 per multiply-add
+with D, S, T the "data", "stage" and "model" axis sizes, B the global batch,
+M the microbatches, F the forward FLOPs per example and F_pairs those of the
+layers tensor parallelism splits. FLOPs come from the model's jaxpr (2 per multiply-add
 of a matmul, 1 per element otherwise). The device constants are assumptions a
 user can change; the ranking depends on their ratios, not on a clock.
 """
@@ -41,7 +45,6 @@ import numpy as np
 
 from parstrat._src import registry
 from parstrat._src.pipeline import partition as partition_lib
-from parstrat._src.sharded_params import layer_order
 from parstrat._src.sharded_params import megatron_specs
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
@@ -66,7 +69,10 @@ def parse_bytes(value: int | str | None) -> int | None:
       raise ValueError(
         f"memory_budget must be a number of bytes or a size like '512MiB' or '2GB', got {value!r}."
       )
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+      raise ValueError(f"memory_budget must be a positive size, got {value!r}.")
+    return size
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
     raise ValueError(f"memory_budget must be a positive number of bytes, got {value!r}.")
   return int(value)
@@ -90,42 +96,56 @@ class ModelStats:
     boundary_widths: elements per example crossing each cuttable layer boundary.
     tensor_pairs: for tensor parallelism, `(input width or 0 for the model's
       input, output width)` of each column/row pair.
+    tensor_split_flops: forward FLOPs per example of the layers in those pairs
+      (the only ones a "model" axis divides).
   """
 
   param_bytes: int
   flops_per_example: int
   boundary_widths: tuple[int, ...]
   tensor_pairs: tuple[tuple[int, int], ...]
+  tensor_split_flops: int = 0
 
   @classmethod
   def of(cls, model, sample_params, sample_inputs: jax.ShapeDtypeStruct) -> ModelStats:
+    """Reads the stats off the model's jaxpr.
+
+    Only the FLOP count is required; the layer analysis (cut widths, tensor
+    pairs) is best effort, as a model the pipeline cannot analyse may still
+    suit other strategies: then those terms are left empty.
+    """
     apply = lambda p, x: model.apply(p, None, x)  # noqa: E731
     trace = partition_lib._trace(apply, sample_params, sample_inputs)  # noqa: SLF001
-    flops = sum(partition_lib._eqn_flops(eqn) for eqn in trace.jaxpr.eqns)  # noqa: SLF001
-    analysis = partition_lib._analyse(trace)  # noqa: SLF001
-    widths = []
-    for k in range(1, len(analysis.layer_order)):
-      cut, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
-      if cut is not None:
-        widths.append(partition_lib.flat_width(analysis.live[cut][0].aval))
-    pairs = []
-    order = layer_order(model, sample_params, sample_inputs)
-    try:
-      _, notes = megatron_specs(sample_params, order, "model", 1)
-    except (KeyError, TypeError, AttributeError):  # not a stack of linear layers
-      notes = []
-    for note in notes:
-      if "column-parallel" in note:
-        first = note.split(":")[0]
-        second = order[order.index(first) + 1]
-        width_in = 0 if order.index(first) == 0 else sample_params[first]["w"].shape[0]
-        pairs.append((width_in, sample_params[second]["w"].shape[1]))
+    batch = max(int(sample_inputs.shape[0]), 1)
+    eqn_flops = [partition_lib._eqn_flops(eqn) for eqn in trace.jaxpr.eqns]  # noqa: SLF001
     leaves = jax.tree.leaves(sample_params)
+    widths, pairs, split_flops = [], [], 0
+    try:
+      analysis = partition_lib._analyse(trace)  # noqa: SLF001
+      order = [trace.layer_names[k] for k in analysis.layer_order]
+      layer_flops = dict.fromkeys(order, 0)
+      for flops, rank in zip(eqn_flops, analysis.eqn_layer, strict=True):
+        layer_flops[order[rank]] += flops
+      for k in range(1, len(order)):
+        cut, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
+        if cut is not None:
+          widths.append(partition_lib.flat_width(analysis.live[cut][0].aval))
+      _, notes = megatron_specs(sample_params, order, "model", 1)
+      for note in notes:
+        if "column-parallel" in note:
+          first = note.split(":")[0]
+          second = order[order.index(first) + 1]
+          width_in = 0 if order.index(first) == 0 else sample_params[first]["w"].shape[0]
+          pairs.append((width_in, sample_params[second]["w"].shape[1]))
+          split_flops += layer_flops[first] + layer_flops[second]
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+      widths, pairs, split_flops = [], [], 0  # not a stack of layers the analysis follows
     return cls(
       param_bytes=sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves),
-      flops_per_example=flops // max(int(sample_inputs.shape[0]), 1),
+      flops_per_example=sum(eqn_flops) // batch,
       boundary_widths=tuple(widths),
       tensor_pairs=tuple(pairs),
+      tensor_split_flops=split_flops // batch,
     )
 
 
@@ -228,29 +248,50 @@ class CostModel:
   collective_latency: float = 1e-5
 
   def estimate(
-    self, strategy: Strategy, mesh: dict[str, int], stats: ModelStats, batch: int
+    self,
+    strategy: Strategy,
+    mesh: dict[str, int],
+    stats: ModelStats,
+    batch: int,
+    *,
+    reductions: int = 1,
   ) -> dict[str, float]:
+    """The cost model's terms (see the module docstring) for `strategy` on `mesh`.
+
+    Args:
+      strategy: the candidate (read: `gradient_traffic`, `microbatches`).
+      mesh: axis name -> size ("data", "stage", "model"; others are ignored).
+      stats: the model's `ModelStats`.
+      batch: the global batch.
+      reductions: how many times per step the gradients cross "data" (k with
+        gradient accumulation on a plan that reduces in every microstep).
+
+    Returns:
+      `{"compute_s", "comm_bytes", "comm_s", "latency_s"}`.
+    """
     data, stages, tensor = (mesh.get(a, 1) for a in ("data", "stage", "model"))
-    compute = 3 * stats.flops_per_example * batch / (data * stages * tensor)
-    collectives = 0
+    split = stats.tensor_split_flops
+    flops = stats.flops_per_example - split + split / tensor  # only paired layers divide
+    compute = 3 * flops * batch / (data * stages)
+    collectives = 0.0
     comm = 0.0
+    micro = 1
     if stages > 1:
       micro = getattr(strategy, "microbatches", None) or stages
-      compute *= (micro + stages - 1) / micro
-      if getattr(strategy, "schedule", "gpipe") == "1f1b":
-        compute *= 4 / 3
+      # The bubble, and the engine's recomputed stage forwards in the backward.
+      compute *= (micro + stages - 1) / micro * 4 / 3
       width = max(stats.boundary_widths, default=0)
       comm += 2 * (batch / data) * width * 4
       collectives += 2 * (micro + stages - 1)
     if data > 1:
       traffic, count = strategy.gradient_traffic
-      comm += traffic * (data - 1) / data * stats.param_bytes / (stages * tensor)
-      collectives += count
+      comm += reductions * traffic * (data - 1) / data * stats.param_bytes / (stages * tensor)
+      collectives += reductions * count
     if tensor > 1:
       ring = 2 * (tensor - 1) / tensor
-      for width_in, width_out in stats.tensor_pairs:
-        comm += ring * (batch / data) * (width_in + width_out) * 4
-        collectives += 2 if width_in else 1
+      for width_in, width_out in stats.tensor_pairs:  # a stage holds about 1/S of the pairs
+        comm += ring * (batch / data) * (width_in + width_out) * 4 / stages
+        collectives += (2 if width_in else 1) * micro / stages
     return {
       "compute_s": compute / self.flops_per_second,
       "comm_bytes": comm,
@@ -302,9 +343,13 @@ class Auto(Strategy):
       the sample given to `init`).
     candidates: registered names to consider (default: every registered
       strategy that declares mesh axes).
+    label_shape, label_dtype: the per-example shape and dtype of the labels
+      the steps are measured with (default: integer class ids, as the default
+      loss takes); set them for a custom `loss_fn`.
     cost_model: the device constants of the estimate.
     verbose: print the ranked table at `init`.
     devices: the devices to lay out over (default: all).
+    debug: passed on to every candidate (and so to the one chosen).
 
   Raises:
     ValueError (at `init`): when no candidate fits the budget; the message
@@ -319,6 +364,8 @@ class Auto(Strategy):
   memory_budget: int | str | None = None
   batch_size: int | None = None
   candidates: tuple[str, ...] | None = None
+  label_shape: tuple[int, ...] = ()
+  label_dtype: str = "int32"
   cost_model: CostModel = CostModel()
   verbose: bool = True
   deferred = True
@@ -353,6 +400,7 @@ class Auto(Strategy):
       loss_fn=trainer.loss_fn,
       precision=trainer.policy,
       accumulate=trainer.accumulate,
+      skip_nonfinite=trainer.skip_nonfinite,
     )
     trainer.choice = choice
     if self.verbose:
@@ -387,6 +435,7 @@ class Auto(Strategy):
     loss_fn=None,
     precision: Any = None,
     accumulate: int = 1,
+    skip_nonfinite: bool = False,
   ) -> list[Candidate]:
     """Builds, compiles and estimates every candidate; `rank` then picks one.
 
@@ -400,7 +449,9 @@ class Auto(Strategy):
     stats = ModelStats.of(
       model, abstract_params, jax.ShapeDtypeStruct((batch, *sample.shape[1:]), sample.dtype)
     )
-    options = dict(loss_fn=loss_fn, precision=precision, accumulate=accumulate)
+    options = dict(
+      loss_fn=loss_fn, precision=precision, accumulate=accumulate, skip_nonfinite=skip_nonfinite
+    )
     measured = []
     for name in self.candidates or registry.available():
       cls = registry.lookup(name)
@@ -408,15 +459,29 @@ class Auto(Strategy):
         continue
       for mesh in enumerate_meshes(cls.axis_names, len(devices)):
         for strategy in cls.candidates_for(mesh, devices):
+          if self.debug and dataclasses.is_dataclass(strategy):
+            strategy = dataclasses.replace(strategy, debug=True)
           candidate = Candidate(name, strategy, mesh)
           try:
             trainer = strategy(model, optimizer, **options)
-            peak, state_bytes = measure(trainer, sample, batch)
+            peak, state_bytes = measure(
+              trainer, sample, batch, label_shape=self.label_shape, label_dtype=self.label_dtype
+            )
           except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            measured.append(dataclasses.replace(candidate, problem=f"cannot run: {message}"))
+            # Layout errors (a mesh the model cannot use, a batch that does not
+            # split) are expected; the type name keeps anything else visible.
+            first = str(e).splitlines()[0] if str(e) else ""
+            measured.append(
+              dataclasses.replace(
+                candidate, problem=f"cannot run: {type(e).__name__}: {first}".rstrip(": ")
+              )
+            )
             continue
-          estimate = self.cost_model.estimate(strategy, mesh, stats, batch)
+          plan = trainer.plan
+          reduces_once = plan.manual and plan.reduce is not None
+          estimate = self.cost_model.estimate(
+            strategy, mesh, stats, batch, reductions=1 if reduces_once else accumulate
+          )
           time_s = estimate["compute_s"] + estimate["comm_s"] + estimate["latency_s"]
           measured.append(
             dataclasses.replace(

@@ -751,12 +751,18 @@ class Trainer:
     is measured for a model that may not fit.
     """
     if isinstance(batch, (tuple, list)) and all(isinstance(b, jax.ShapeDtypeStruct) for b in batch):
+      if len(batch) != 2:
+        raise TypeError(f"A batch is a pair (images, labels), got {len(batch)} items.")
       x, y = batch
       if tuple(x.shape[1:]) != self._input_shape or (y.shape[:1] != x.shape[:1]):
         raise ValueError(
           f"An abstract batch needs images [B, {', '.join(map(str, self._input_shape))}] and "
           f"labels [B, ...], got {x.shape} and {y.shape}."
         )
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"images must be floating point, got dtype {x.dtype}.")
+      if self.uses_default_loss and (y.ndim != 1 or not jnp.issubdtype(y.dtype, jnp.integer)):
+        raise TypeError(f"labels must be integer class ids [B], got {y.dtype}{list(y.shape)}.")
       self._check_batch_size(x.shape[0], "images")
       sharding = self._batch_sharding()
       x, y = (jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for b in (x, y))

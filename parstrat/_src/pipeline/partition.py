@@ -165,12 +165,18 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
   out: list[Any] = []
 
   def emit_inputs(eqn) -> None:
-    for v in eqn.invars:
-      i = producer.get(v) if _is_var(v) else None
-      if i is not None and i not in emitted:
-        emit_inputs(eqns[i])
-        emitted.add(i)
-        out.append(eqns[i])
+    # The deferred equations `eqn` needs, found without recursion (a weight may
+    # pass through a long chain), emitted in their original, valid order.
+    needed, stack = set(), [eqn]
+    while stack:
+      for v in stack.pop().invars:
+        i = producer.get(v) if _is_var(v) else None
+        if i is not None and i not in emitted and i not in needed:
+          needed.add(i)
+          stack.append(eqns[i])
+    for i in sorted(needed):
+      emitted.add(i)
+      out.append(eqns[i])
 
   for i, eqn in enumerate(eqns):
     if not eqn.effects and all(v in derived for v in eqn.invars if _is_var(v)):
@@ -189,6 +195,8 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
 
 
 def _eqn_flops(eqn) -> int:
+  if not eqn.outvars:  # e.g. a debug callback
+    return 0
   out = eqn.outvars[0].aval
   size = int(np.prod(out.shape)) if hasattr(out, "shape") else 1
   if eqn.primitive.name == "dot_general":
