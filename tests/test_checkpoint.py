@@ -167,3 +167,20 @@ def test_killing_a_save_leaves_the_previous_checkpoint_readable(tmp_path):
       state, meta = ckpt.restore(trainer)
     assert meta["batches_seen"] == latest
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(state.params)))
+
+
+def test_export_and_import_move_a_state_to_another_device_set():
+  images, labels = parstrat.testing.random_batches(2, 32, features=20)
+  source = parstrat.FSDP(data=8, zero=1)(MODEL, optax.adam(1e-2))
+  state = source.init(jax.random.key(0), images[0][:1])
+  state, _ = source.step(state, (images[0], labels[0]))
+  exported = source.export_state(state)
+  target = parstrat.PipelineModelParallel(stages=4, devices=jax.devices()[4:])(
+    MODEL, optax.adam(1e-2)
+  )
+  target.init(jax.random.key(1), images[0][:1])
+  moved = target.import_state(exported)
+  jax.tree.map(np.testing.assert_array_equal, target.params(moved), source.params(state))
+  _, a = source.step(state, (images[1], labels[1]))
+  _, b = target.step(moved, (images[1], labels[1]))
+  np.testing.assert_allclose(float(a["loss"]), float(b["loss"]), rtol=1e-5)

@@ -849,6 +849,15 @@ class Trainer:
       opt_state = _map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
       return TrainState(jnp.asarray(exported["step"], jnp.int32), stored, opt_state)
 
+    mesh_devices = set(self.mesh.devices.flat)
+
+    def reachable(x):  # arrays on other devices (another trainer's mesh) go via the host
+      if isinstance(x, jax.Array) and x.is_fully_addressable:
+        if not x.sharding.device_set <= mesh_devices:
+          return np.asarray(x)
+      return x
+
+    exported = jax.tree.map(reachable, exported)
     return jax.jit(place, out_shardings=self._state_shardings)(exported)
 
   # ----------------------------------------------------------------- params
