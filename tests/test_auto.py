@@ -114,7 +114,7 @@ def test_the_choice_is_deterministic(measured):
   shuffled = list(reversed(measured))
   assert str(auto_lib.rank(shuffled, None)) == str(auto_lib.rank(measured, None))
   again = parstrat.Auto(
-    devices=jax.devices()[:4], candidates=("data_parallel", "fsdp"), verbose=False
+    devices=jax.devices()[:4], candidates=("data_parallel",), verbose=False
   ).measure(wide_mlp(), optax.adam(1e-3), np.zeros((BATCH, FEATURES), np.float32))
   first = by_label(measured)
   for c in again:

@@ -120,7 +120,7 @@ def test_list_shows_every_strategy_with_axes(capsys):
   assert "auto             axes: chosen" in out
 
 
-def test_train_auto_prints_its_choice_and_refuses_clearly(capsys):
+def test_train_auto_prints_its_choice(capsys):
   common = ["train", "--strategy", "auto", "--devices", "2", "--hidden", "64", "--source",
             "sample", "--batch-size", "64", "--no-progress"]  # fmt: skip
   code = cli.main(
@@ -132,9 +132,6 @@ def test_train_auto_prints_its_choice_and_refuses_clearly(capsys):
   for label in ("data_parallel [data=2]", "fsdp zero=1 [data=2]", "tensor [model=2]"):
     assert label in out
   assert "chose " in out and "eval accuracy" in out
-  assert cli.main([*common, "--memory-budget", "1KiB"]) == 2
-  err = capsys.readouterr().err
-  assert "No strategy fits memory_budget='1KiB' (1.00 KiB per device): the smallest, " in err
 
 
 def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path):

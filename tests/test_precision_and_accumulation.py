@@ -26,7 +26,7 @@ STRATEGIES = {
 BF16_TOL = 1e-3
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", ["data_parallel", "hybrid", "fsdp"])
 def test_mixed_bfloat16_matches_jit_with_the_same_policy(name):
   check_strategy(
     STRATEGIES[name],
@@ -86,10 +86,24 @@ def test_bad_precision_is_refused_by_name(precision, message):
     parstrat.DataParallel()(model, optax.sgd(0.1), precision=precision)
 
 
-# Tensor parallelism takes the same global-array path as FSDP with an unsplit batch.
+# Tensor parallelism (global arrays, like FSDP, with an unsplit batch) is checked
+# with both options together below.
 @pytest.mark.parametrize("name", ["data_parallel", "hybrid", "fsdp"])
 def test_accumulation_matches_jit_on_the_whole_batch(name):
   check_strategy(STRATEGIES[name], optimizers=[optax.sgd(0.1)], steps=3, batch=32, accumulate=2)
+
+
+def test_tensor_parallel_with_mixed_precision_and_accumulation():
+  check_strategy(
+    STRATEGIES["tensor"],
+    optimizers=[optax.sgd(0.1)],
+    steps=3,
+    batch=32,
+    precision="mixed_bfloat16",
+    accumulate=2,
+    rtol=BF16_TOL,
+    atol=BF16_TOL,
+  )
 
 
 def test_accumulation_with_adam_and_mixed_precision_together():
