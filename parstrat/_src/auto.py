@@ -300,7 +300,9 @@ class CostModel:
     }
 
 
-def measure(trainer: Trainer, sample_inputs, batch: int, label_shape=(), label_dtype="int32"):
+def measure_memory(
+  trainer: Trainer, sample_inputs, batch: int, label_shape=(), label_dtype="int32"
+):
   """(peak bytes, state bytes) per device of `trainer`'s compiled step, allocating nothing."""
   state = trainer.init_abstract(jax.random.key(0), sample_inputs)
   images = jax.ShapeDtypeStruct((batch, *sample_inputs.shape[1:]), sample_inputs.dtype)
@@ -464,7 +466,7 @@ class Auto(Strategy):
           candidate = Candidate(name, strategy, mesh)
           try:
             trainer = strategy(model, optimizer, **options)
-            peak, state_bytes = measure(
+            peak, state_bytes = measure_memory(
               trainer, sample, batch, label_shape=self.label_shape, label_dtype=self.label_dtype
             )
           except Exception as e:  # noqa: BLE001 - reported in the table, not fatal

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from collections.abc import Sequence
 
 import haiku as hk
@@ -61,9 +60,9 @@ def make_pipeline_plan(
   runs the pipeline schedule over its block; gradients are then averaged over
   "data" only.
 
-  When `mesh` also has a "model" axis of size T > 1, the plan comes from
-  `_tensor_pipeline_plan` instead: each stage's linear layers are split over
-  "model" as well.
+  When `mesh` also has a "model" axis of size T > 1, each stage's linear
+  layers are split over "model" as well, and `_with_model_axis` runs the plan
+  in a map that leaves "model" to the partitioner.
   """
   _check_positive("microbatches", microbatches)
   sched = schedule_lib.build_schedule(schedule, stages, microbatches)
@@ -135,9 +134,7 @@ def make_pipeline_plan(
     f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
     f"{sched.num_act_slots} activation slot(s) per device"
   )
-  if parts > 1:
-    return _tensor_pipeline_plan(mesh, layout, loss_and_grad, forward, microbatches, description)
-  return Plan(
+  plan = Plan(
     param_spec=P(STAGE),
     batch_spec=P(DATA),
     to_stored=layout.to_stored,
@@ -149,6 +146,7 @@ def make_pipeline_plan(
     check_vma=False,
     description=description,
   )
+  return _with_model_axis(plan, mesh) if parts > 1 else plan
 
 
 def stage_tensor_split(
@@ -215,15 +213,8 @@ def stage_tensor_split(
   return tuple(split_dims), notes
 
 
-def _tensor_pipeline_plan(
-  mesh: Mesh,
-  layout: engine.SplitLayout,
-  loss_and_grad: Callable,
-  forward: Callable,
-  microbatches: int,
-  description: str,
-) -> Plan:
-  """The pipeline on a (data, stage, model) mesh, with "model" left to the partitioner.
+def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
+  """The pipeline `plan` on a (data, stage, model) mesh, with "model" left to the partitioner.
 
   Stored params are `(split [P, T, S], replicated [P, R])` sharded
   `(P("stage", "model"), P("stage"))`. The plan is a global one (`manual=False`):
@@ -239,7 +230,7 @@ def _tensor_pipeline_plan(
   row_spec = (P(STAGE), P(STAGE))
 
   def local_loss_and_grad(stored, inputs, labels):
-    return average_gradients(loss_and_grad(stored, inputs, labels), DATA)
+    return plan.reduce(plan.loss_and_grad(stored, inputs, labels))
 
   grad_fn = jax.shard_map(
     local_loss_and_grad,
@@ -250,7 +241,7 @@ def _tensor_pipeline_plan(
     check_vma=False,
   )
   forward_fn = jax.shard_map(
-    forward,
+    plan.forward,
     mesh=mesh,
     in_specs=(row_spec, P(DATA)),
     out_specs=P(DATA),
@@ -267,17 +258,13 @@ def _tensor_pipeline_plan(
   def global_forward(stored, inputs):
     return forward_fn(jax.lax.with_sharding_constraint(stored, param_shardings), inputs)
 
-  return Plan(
+  return dataclasses.replace(
+    plan,
     param_spec=param_spec,
-    batch_spec=P(DATA),
-    to_stored=layout.to_stored,
-    to_params=layout.to_params,
     loss_and_grad=global_loss_and_grad,
     forward=global_forward,
-    batch_multiple=microbatches,
-    check_vma=False,
+    reduce=None,  # done inside the map above
     manual=False,
-    description=description,
   )
 
 

@@ -487,7 +487,8 @@ class Trainer:
       self.strategy, self.mesh = chosen, chosen.make_mesh()
     abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
     model = self._plan_model
-    plan, shardings = self._layout(rng, abstract_inputs)
+    plan, layout = self._layout(rng, abstract_inputs)
+    shardings = jax.tree.map(lambda x: x.sharding, layout)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
     # the (slow to compile) initialiser; the re-layout is a program of its own.
     if jax.process_count() == 1:
@@ -511,21 +512,12 @@ class Trainer:
     sample = self._check_sample(rng, sample_inputs)
     if self.strategy.deferred:
       raise ValueError("init_abstract needs a concrete strategy; call init for 'auto'.")
-    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
-    plan, shardings = self._layout(rng, abstract_inputs)
-    params = jax.eval_shape(self._plan_model.init, rng, abstract_inputs)
-    stored = jax.eval_shape(plan.to_stored, params)
-    state = TrainState(
-      jax.ShapeDtypeStruct((), jnp.int32), stored, jax.eval_shape(self.optimizer.init, stored)
-    )
-    state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-    )
+    plan, state = self._layout(rng, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
     self._commit(plan, sample.shape, state)
     return state
 
   def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState]:
-    """The plan and the state's shardings for inputs shaped like `abstract_inputs`."""
+    """The plan, and the state as `ShapeDtypeStruct`s with their shardings."""
     model = self._plan_model
     abstract_params = jax.eval_shape(model.init, rng, abstract_inputs)
     plan = self.strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
@@ -542,10 +534,13 @@ class Trainer:
       jax.tree.broadcast(opt_shardings, stored),
       transform_non_params=lambda _: self._replicated,
     )
-    shardings = TrainState(
-      self._replicated, jax.tree.broadcast(param_shardings, stored), opt_shardings
+    with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    state = TrainState(
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
+      jax.tree.map(with_sharding, stored, jax.tree.broadcast(param_shardings, stored)),
+      jax.tree.map(with_sharding, abstract_opt, opt_shardings),
     )
-    return plan, shardings
+    return plan, state
 
   def _check_sample(self, rng: jax.Array, sample_inputs: Any):
     if not _is_prng_key(rng):
@@ -649,9 +644,9 @@ class Trainer:
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
-  def _check_inputs(self, inputs: Any, what: str) -> jax.Array | np.ndarray:
+  def _check_inputs(self, inputs: Any, what: str, abstract: bool = False):
     self.plan  # noqa: B018 - raises a clear error before init
-    x = _as_array(what, inputs)
+    x = _as_array(what, inputs, abstract)
     expected = self._input_shape
     if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
       raise ValueError(
@@ -694,12 +689,14 @@ class Trainer:
       return value
     return jax.make_array_from_process_local_data(self._batch_sharding(), np.asarray(value))
 
-  def _check_batch(self, batch: Any) -> tuple[Any, Any]:
+  def _check_batch(self, batch: Any, abstract: bool = False) -> tuple[Any, Any]:
+    """Validates `(images, labels)`; `abstract` also accepts `jax.ShapeDtypeStruct`s."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
       raise TypeError(f"A batch is a pair (images, labels), got {type(batch).__name__}.")
     self.plan  # noqa: B018 - raises a clear error before init
-    x = self._check_inputs(self._to_global(batch[0]), "images")
-    y = _as_array("labels", self._to_global(batch[1]))
+    to_global = (lambda v: v) if abstract else self._to_global
+    x = self._check_inputs(to_global(batch[0]), "images", abstract)
+    y = _as_array("labels", to_global(batch[1]), abstract)
     if y.ndim < 1 or y.shape[0] != x.shape[0]:
       raise ValueError(
         f"labels must have a leading axis of {x.shape[0]} (one per image), "
@@ -750,25 +747,15 @@ class Trainer:
     `jax.ShapeDtypeStruct`s: then nothing is allocated, which is how a layout
     is measured for a model that may not fit.
     """
-    if isinstance(batch, (tuple, list)) and all(isinstance(b, jax.ShapeDtypeStruct) for b in batch):
-      if len(batch) != 2:
-        raise TypeError(f"A batch is a pair (images, labels), got {len(batch)} items.")
-      x, y = batch
-      if tuple(x.shape[1:]) != self._input_shape or (y.shape[:1] != x.shape[:1]):
-        raise ValueError(
-          f"An abstract batch needs images [B, {', '.join(map(str, self._input_shape))}] and "
-          f"labels [B, ...], got {x.shape} and {y.shape}."
-        )
-      if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"images must be floating point, got dtype {x.dtype}.")
-      if self.uses_default_loss and (y.ndim != 1 or not jnp.issubdtype(y.dtype, jnp.integer)):
-        raise TypeError(f"labels must be integer class ids [B], got {y.dtype}{list(y.shape)}.")
-      self._check_batch_size(x.shape[0], "images")
-      sharding = self._batch_sharding()
+    abstract = isinstance(batch, (tuple, list)) and all(
+      isinstance(b, jax.ShapeDtypeStruct) for b in batch
+    )
+    x, y = self._check_batch(batch, abstract)
+    sharding = self._batch_sharding()
+    if abstract:
       x, y = (jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for b in (x, y))
     else:
-      x, y = self._check_batch(batch)
-      x, y = jax.device_put((x, y), self._batch_sharding())
+      x, y = jax.device_put((x, y), sharding)
     return self._compiled_step.lower(state, x, y)
 
   # ----------------------------------------------------------------- apply
@@ -946,7 +933,9 @@ def _is_prng_key(rng: Any) -> bool:
   return rng.dtype == jnp.uint32 and rng.shape == (2,)  # a legacy jax.random.PRNGKey
 
 
-def _as_array(what: str, value: Any):
+def _as_array(what: str, value: Any, abstract: bool = False):
+  if abstract and isinstance(value, jax.ShapeDtypeStruct):
+    return value
   if isinstance(value, (jax.Array, np.ndarray)):
     return value
   if isinstance(value, (str, bytes)):
