@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from parstrat._src import checks
 from parstrat._src import distributed
 from parstrat._src import precision as precision_lib
+from parstrat._src import trees
 
 Params = Any  # a pytree in the model's own (Haiku) layout
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -210,9 +211,10 @@ class Strategy(abc.ABC):
       loss_fn: `(logits, labels) -> scalar`, a *mean* over examples (it is
         averaged over devices and microbatches). Default: softmax
         cross-entropy on integer labels.
-      skip_nonfinite: when the loss or the gradient norm of a step is NaN or
-        infinite, keep the previous params and optimizer state (and step
-        count); `metrics["finite"]` says whether the update was applied.
+      skip_nonfinite: when the loss, the gradient norm, or the updated params
+        or optimizer state of a step hold a NaN or infinity, keep the previous
+        params and optimizer state (and step count); `metrics["finite"]` says
+        whether the update was applied.
       precision: mixed precision, applied with jmp around the model's `apply`:
         "mixed_bfloat16" computes in bfloat16 with params, optimizer state and
         loss in float32; also a jmp policy string or a `jmp.Policy`. Default:
@@ -617,11 +619,16 @@ class Trainer:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       grad_norm = optax.tree_utils.tree_norm(grads)
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      # The new params and optimizer state are checked too: a finite gradient
+      # still gives NaN params with an infinite learning rate.
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & trees.all_finite((params, opt_state))
       new_state = TrainState(state.step + 1, params, opt_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
       metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+      if self.uses_default_loss:
+        classes = self._num_classes(inputs)
+        metrics["labels_in_range"] = jnp.all((labels >= 0) & (labels < classes))
       return new_state, metrics
 
     # Pinning the output shardings to the input's keeps the state a fixed
@@ -721,17 +728,26 @@ class Trainer:
 
     Returns:
       `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
-      scalars (`finite` is False when the loss or gradients were NaN or infinite;
-      with `skip_nonfinite=True` that update was not applied).
+      scalars (`finite` is False when the loss, the gradients, or the new params
+      or optimizer state hold a NaN or infinity; with `skip_nonfinite=True`
+      that update was not applied). With the default loss, also
+      `"labels_in_range"`: every label is a class id in `[0, C)`, C the model's
+      output width (out-of-range labels do not stop the step unless
+      `debug=True`).
 
     Raises:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
-        so `state` stays usable).
+        so `state` stays usable), a state that was already donated to an
+        earlier `step` or belongs to another trainer, or (with `debug=True`
+        and the default loss) labels outside `[0, C)`.
     """
+    self._check_state(state, "step")
     x, y = self._check_batch(batch)
     chex.assert_equal_shape_prefix([x, y], 1)
     sharding = self._batch_sharding()
     x, y = jax.device_put((x, y), sharding)
+    if self.strategy.debug and self.uses_default_loss:
+      self._check_label_range(x, y)
     state, metrics = self._compiled_step(state, x, y)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
@@ -784,9 +800,55 @@ class Trainer:
       The logits, `[B, ...]`, split over the mesh like the inputs.
     """
     self.plan  # noqa: B018 - raises a clear error before init
+    self._check_state(state, "apply")
     x = self._check_inputs(self._to_global(inputs), "inputs")
     x = jax.device_put(x, self._batch_sharding())
     return self._compiled_apply(state.params, x)
+
+  # ----------------------------------------------------------------- guards
+  def _check_state(self, state: Any, what: str) -> None:
+    """Refuses a donated state, or one of another trainer, before JAX sees it.
+
+    JAX 0.10 can crash the process (a segfault) on a deleted multi-device
+    array, and a foreign tree fails deep inside `jit`; both are caught here.
+
+    Raises:
+      ValueError: naming the deleted or mismatched leaf.
+    """
+    self.plan  # noqa: B018 - raises a clear error before init
+    leaves, treedef = jax.tree.flatten(state)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+          f"{what}: this state was donated to an earlier trainer.step (its leaf "
+          f"{trees.leaf_name(path)} is deleted); pass the state that step returned."
+        )
+    want_leaves, want_treedef = jax.tree.flatten(self._abstract_state)
+    if treedef == want_treedef and all(
+      np.shape(x) == w.shape for x, w in zip(leaves, want_leaves, strict=True)
+    ):
+      return
+    detail = trees.first_mismatch(state, self._abstract_state) or (
+      f"got a {type(state).__name__}, expected the TrainState its init or step returned"
+    )
+    raise ValueError(f"{what}: the state does not belong to this trainer: {detail}.")
+
+  def _num_classes(self, inputs: Any) -> int:
+    """The width C of the model's output for `inputs` (labels must lie in [0, C))."""
+    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    inputs = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype)
+    outputs = jax.eval_shape(lambda p, x: self._plan_model.apply(p, None, x), params, inputs)
+    return int(outputs.shape[-1])
+
+  def _check_label_range(self, inputs: jax.Array, labels: jax.Array) -> None:
+    """For `debug=True`: class ids outside [0, C) raise before the step runs."""
+    classes = self._num_classes(inputs)
+    low, high = (int(v) for v in _min_max(labels))
+    if low < 0 or high >= classes:
+      raise ValueError(
+        f"labels must be class ids in [0, {classes}) for the default loss (the model has "
+        f"{classes} outputs), got values from {low} to {high}."
+      )
 
   # ----------------------------------------------------------------- layouts
   def export_state(self, state: TrainState) -> dict[str, Any]:
@@ -797,6 +859,7 @@ class Trainer:
     Another trainer of the same model and optimizer, under any strategy and
     mesh, resumes from it with `import_state`; checkpoints store this form.
     """
+    self._check_state(state, "export_state")
     return self._compiled_export(state)
 
   @functools.cached_property
@@ -857,6 +920,7 @@ class Trainer:
 
     `model.apply(trainer.params(state), None, x)` works without parstrat.
     """
+    self._check_state(state, "params")
     return self._compiled_params(state.params)
 
 
@@ -905,6 +969,11 @@ def accumulate_gradients(
 
   total = jax.lax.fori_loop(1, k, body, first)
   return jax.tree.map(lambda x: x / k, total)
+
+
+@jax.jit
+def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.min(x), jnp.max(x)
 
 
 def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
