@@ -290,7 +290,9 @@ def test_an_infinite_learning_rate_never_writes_a_nonfinite_param(tmp_path, caps
       cli.main([*TRAIN, "--lr", lr, "--checkpoint-dir", str(tmp_path / "ck")])
     assert info.value.code == 2
     err = _one_line(capsys.readouterr().err)
-    assert err == f"parstrat train: error: argument --lr: expected a positive finite number, got {lr!r}"
+    assert (
+      err == f"parstrat train: error: argument --lr: expected a positive finite number, got {lr!r}"
+    )
   assert not (tmp_path / "ck").exists()  # nothing was trained or saved
 
 
