@@ -53,24 +53,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
-  """The " (did you mean X?)" hint for the first unknown flag or command in `message`."""
-  options, commands = set(), set()
-  parsers = [parser]
-  while parsers:
-    current = parsers.pop()
-    options.update(current._option_string_actions)  # noqa: SLF001
-    for action in current._actions:  # noqa: SLF001
-      if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-        commands.update(action.choices)
-        parsers.extend(action.choices.values())
+  """The " (did you mean X?)" hint for the first unknown flag or bad choice in `message`."""
   unknown = re.search(r"unrecognized arguments: (\S+)", message)
+  choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
   if unknown:
-    word, candidates = unknown.group(1).split("=")[0], options
+    word, candidates = unknown.group(1).split("=")[0], set()
+    parsers = [parser]
+    while parsers:  # every flag of every command
+      current = parsers.pop()
+      candidates.update(current._option_string_actions)  # noqa: SLF001
+      for action in current._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+          parsers.extend(action.choices.values())
+  elif choice:
+    word, candidates = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
   else:
-    choice = re.search(r"invalid choice: '([^']*)'", message)
-    if not choice:
-      return ""
-    word, candidates = choice.group(1), commands
+    return ""
   close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
   return f" (did you mean {close[0]}?)" if close else ""
 
@@ -500,7 +498,6 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
       f"resumed from {ckpt.directory} at step {step} (epoch {first_epoch + 1}, "
       f"batch {skip_batches})"
     )
-  classes = trainer._num_classes(data.train_images[:1]) if trainer.uses_default_loss else None  # noqa: SLF001
 
   def position(epoch: int, batch: int) -> dict:
     if batch == steps_per_epoch:
@@ -536,6 +533,7 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
           raise UsageError(str(e)) from None
         step += 1
         if "labels_in_range" in metrics and not bool(metrics["labels_in_range"]):
+          classes = trainer._num_classes(data.train_images[:1])  # noqa: SLF001
           raise TrainingError(
             f"step {step}: batch {batch_in_epoch + 1} of epoch {epoch + 1} has labels outside "
             f"[0, {classes}), the model's classes; stopping (nothing of this step is saved)"

@@ -433,7 +433,7 @@ class Trainer:
     self.model = model
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
-    self.uses_default_loss = loss_fn is None
+    self.uses_default_loss = self.loss_fn is softmax_cross_entropy
     self.skip_nonfinite = bool(skip_nonfinite)
     #: For "auto": the `parstrat.Choice` made at `init` (None otherwise).
     self.choice = None
