@@ -415,3 +415,11 @@ def test_argument_errors_are_one_line_with_a_suggestion(argv, expected, capsys):
     cli.main(argv)
   assert info.value.code == 2
   assert _one_line(capsys.readouterr().err) == expected
+
+
+def test_import_state_names_the_first_leaf_that_does_not_fit(trainer):
+  exported = {"step": 0, "params": {"mlp/~/linear_0": {"w": np.zeros((12, 16))}}}
+  with pytest.raises(ValueError, match=re.escape(
+    "The saved params do not fit this model: params['mlp/~/linear_0']['b'] is missing "
+    "(expected shape (16,)).")):  # fmt: skip
+    trainer.import_state(exported)

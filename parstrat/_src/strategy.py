@@ -884,15 +884,9 @@ class Trainer:
     plan = self.plan
     params = exported["params"]
     expected = jax.eval_shape(plan.to_params, self._abstract_state.params)
-    got_shapes = jax.tree.map(np.shape, params)
-    want_shapes = jax.tree.map(lambda x: x.shape, expected)
-    if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
-      got_shapes
-    ) != jax.tree.leaves(want_shapes):
-      raise ValueError(
-        "The saved params do not fit this model: saved "
-        f"{jax.tree.map(np.shape, params)}, expected {want_shapes}."
-      )
+    mismatch = trees.first_mismatch({"params": params}, {"params": expected})
+    if mismatch is not None:
+      raise ValueError(f"The saved params do not fit this model: {mismatch}.")
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
