@@ -596,7 +596,7 @@ def analyse(
   dims: list[int | None] = [None] * n
   reasons = [""] * n
   groups = []
-  position = {leaf: k for k, leaf in enumerate(linear.values())}  # in execution order
+  position = {linear[id(op)]: k for k, op in enumerate(ops) if id(op) in linear}
   for g in sorted(state.groups.values(), key=lambda g: min(position[i] for i in g.columns)):
     col_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.columns)))
     row_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.rows)))

@@ -268,6 +268,13 @@ def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | Non
   after = min(analysis.first_read[layer] for layer in order[k:])
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
+    again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
+    if again != [a]:  # an earlier layer comes back: a shared or tied weight
+      return None, (
+        f"the parameters of {', '.join(map(repr, again))} are used both before and after "
+        f"layer {b!r} (a weight shared or tied across the cut, e.g. an output head that "
+        "reuses the embedding); a pipeline cannot split them"
+      )
     return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})"
   for c in range(after, before, -1):
     if len(analysis.live[c]) == 1:
