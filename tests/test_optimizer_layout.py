@@ -1,4 +1,4 @@
-"""Per-leaf optimizer transforms: exact on layouts that keep the model's leaves, refused on flat ones."""
+"""Per-leaf optimizer transforms: exact where the model's leaves are kept, refused on flat ones."""
 
 import haiku as hk
 import jax

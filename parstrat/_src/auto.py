@@ -273,7 +273,7 @@ class CostModel:
     """
     if batch_axes is None:
       batch_axes = [a for a in ("data",) if a in mesh]
-    ways = math.prod(mesh[a] for a in batch_axes)
+    ways = math.prod(mesh.get(a, 1) for a in batch_axes)
     stages, tensor = mesh.get("stage", 1), mesh.get("model", 1)
     split = stats.tensor_split_flops
     flops = stats.flops_per_example - split + split / tensor  # only split groups divide
