@@ -341,9 +341,7 @@ class _Analysis:
         self._follow(op, split_ins)
     for v in self.outputs:
       if self._split(v):
-        self.fail(
-          self.uf.find(self.owner[v]), "its output is an output of the model, not a linear input"
-        )
+        self.fail(self.uf.find(self.owner[v]), "it is an output of the model")
 
   def _split(self, v) -> bool:
     return _is_var(v) and v in self.split
@@ -612,10 +610,7 @@ def analyse(
   for i in range(n):
     layer = names[i][0]
     if layer in row_layers and (dims[i] == 0 or len(leaves[i].shape) == 1):
-      reasons[i] = (
-        "row-parallel (weight split by input features, bias whole; its output is "
-        "all-reduced over model)"
-      )
+      reasons[i] = "row-parallel (split by input features; output all-reduced over model)"
     elif dims[i] is not None:
       continue
     elif i in dropped:
@@ -642,3 +637,33 @@ def analyse(
     split_flops=int(split_flops),
     treedef=treedef,
   )
+
+
+def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> TensorSplit:
+  """The tensor-parallel plan of a Haiku model; `print` it to see what is split and why.
+
+  The same analysis `TensorParallel(model=T)` and `Hybrid(model=T)` use (for
+  `Hybrid`, groups are also kept within a stage).
+
+  Args:
+    model: an `hk.Transformed`.
+    sample_inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+    model_parallel: the size T of the "model" axis.
+
+  Returns:
+    The `TensorSplit`.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, parstrat
+    >>> def net(x):
+    ...   h = jax.nn.relu(hk.Linear(16, name="up")(x))
+    ...   return hk.Linear(10, name="head")(hk.Linear(8, name="down")(h))
+    >>> print(parstrat.tensor_split_plan(hk.transform(net), jnp.zeros((1, 8)), 2))
+    tensor-parallel plan over model=2: 1 split group(s)
+      group 0: column-parallel up -> row-parallel down (1 all-reduce(s) forward)
+      down: row-parallel (split by input features; output all-reduced over model)
+      head: replicated (not split: it is an output of the model)
+      up: column-parallel (split by output features; consumed by down)
+  """
+  params = jax.eval_shape(model.init, jax.random.key(0), sample_inputs)
+  return analyse(lambda p, x: model.apply(p, None, x), params, sample_inputs, model_parallel)
