@@ -621,11 +621,13 @@ class Trainer:
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       grad_norm = optax.tree_utils.tree_norm(grads)
-      # The new params and optimizer state are checked too: a finite gradient
-      # still gives NaN params with an infinite learning rate.
-      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & trees.all_finite((params, opt_state))
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_state = TrainState(state.step + 1, params, opt_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
+        # The new params and optimizer state are checked too (a finite gradient
+        # still gives NaN params with an infinite learning rate). Only here: on
+        # sharded params the check costs one more (scalar) collective.
+        finite = finite & trees.all_finite((params, opt_state))
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
       metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
       if self.uses_default_loss:
@@ -730,9 +732,9 @@ class Trainer:
 
     Returns:
       `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
-      scalars (`finite` is False when the loss, the gradients, or the new params
-      or optimizer state hold a NaN or infinity; with `skip_nonfinite=True`
-      that update was not applied). With the default loss, also
+      scalars (`finite` is False when the loss or the gradients hold a NaN or
+      infinity, and with `skip_nonfinite=True` also the new params or optimizer
+      state; then that update was not applied). With the default loss, also
       `"labels_in_range"`: every label is a class id in `[0, C)`, C the model's
       output width (out-of-range labels do not stop the step unless
       `debug=True`).
