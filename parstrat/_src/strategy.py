@@ -874,7 +874,7 @@ class Trainer:
       return {
         "step": state.step,
         "params": plan.to_params(state.params),
-        "opt_state": _map_param_like(state.opt_state, state.params, plan.to_params),
+        "opt_state": trees.map_param_like(state.opt_state, state.params, plan.to_params),
       }
 
     return jax.jit(export, out_shardings=self._replicated)
@@ -894,7 +894,7 @@ class Trainer:
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
-      opt_state = _map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
+      opt_state = trees.map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
       return TrainState(jnp.asarray(exported["step"], jnp.int32), stored, opt_state)
 
     mesh_devices = set(self.mesh.devices.flat)
@@ -972,24 +972,6 @@ def accumulate_gradients(
 @jax.jit
 def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return jnp.min(x), jnp.max(x)
-
-
-def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
-  """Applies `fn` to every subtree of `tree` shaped like `like` (e.g. Adam's mu, nu)."""
-  like_structure = jax.tree.structure(like)
-  like_shapes = [np.shape(x) for x in jax.tree.leaves(like)]
-
-  def is_param_like(node) -> bool:
-    if node is None:
-      return False
-    return (
-      jax.tree.structure(node) == like_structure
-      and [np.shape(x) for x in jax.tree.leaves(node)] == like_shapes
-    )
-
-  return jax.tree.map(
-    lambda node: fn(node) if is_param_like(node) else node, tree, is_leaf=is_param_like
-  )
 
 
 def _is_prng_key(rng: Any) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -81,6 +82,42 @@ def all_finite(tree: Any) -> jax.Array:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
+  """Applies `fn` to every subtree of `tree` shaped like `like` (e.g. Adam's mu, nu).
+
+  A subtree is param-like when it has `like`'s structure and leaf shapes; other
+  subtrees (counters, empty states) are kept as they are.
+
+  Args:
+    tree: e.g. an optimizer state.
+    like: e.g. the params the state was built for.
+    fn: maps a param-like subtree, e.g. from one layout to another.
+
+  Returns:
+    `tree` with every param-like subtree replaced by `fn(subtree)`.
+
+  Example:
+    >>> import numpy as np
+    >>> state = {"count": np.int32(0), "mu": {"w": np.ones(2)}}
+    >>> map_param_like(state, {"w": np.zeros(2)}, lambda p: {"w": p["w"] * 3})["mu"]
+    {'w': array([3., 3.])}
+  """
+  like_structure = jax.tree.structure(like)
+  like_shapes = [np.shape(x) for x in jax.tree.leaves(like)]
+
+  def is_param_like(node) -> bool:
+    if node is None:
+      return False
+    return (
+      jax.tree.structure(node) == like_structure
+      and [np.shape(x) for x in jax.tree.leaves(node)] == like_shapes
+    )
+
+  return jax.tree.map(
+    lambda node: fn(node) if is_param_like(node) else node, tree, is_leaf=is_param_like
+  )
 
 
 def _shape(x: Any) -> tuple[int, ...]:
