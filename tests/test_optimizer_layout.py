@@ -44,6 +44,19 @@ PER_LEAF = {
   ),
   "lamb": optax.lamb(1e-2),
   "lars": optax.lars(1e-2),
+  # Per-leaf behaviour that shows only after the first update, or only when
+  # the leaves' scales differ (the probe's first versions passed these):
+  "multi_transform with warmups from 0": optax.multi_transform(
+    {
+      "fast": optax.sgd(optax.linear_schedule(0.0, 0.1, 100)),
+      "slow": optax.sgd(optax.linear_schedule(0.0, 0.01, 100)),
+    },
+    lambda params: jax.tree.map(lambda p: "fast" if p.ndim > 1 else "slow", params),
+  ),
+  # Applies nothing in the probe's first steps: only its state differs.
+  "MultiSteps of a decay mask": optax.MultiSteps(MASKED_ADAMW, every_k_schedule=4),
+  # Clips only leaves whose RMS exceeds 10: none when every value is about 1.
+  "block rms clipping": optax.chain(optax.clip_by_block_rms(10.0), optax.sgd(0.1)),
 }
 
 ELEMENT_WISE = {
@@ -52,6 +65,8 @@ ELEMENT_WISE = {
   "adamw": optax.adamw(1e-3, weight_decay=0.1),
   "clip + sgd": optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
   "multisteps": optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+  "adamw with a warmup from 0": optax.adamw(optax.linear_schedule(0.0, 1e-3, 100)),
+  "lion": optax.lion(1e-3),
 }
 
 FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]

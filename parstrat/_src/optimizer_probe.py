@@ -7,8 +7,8 @@ Adam, AdamW without a mask, `clip_by_global_norm`, `MultiSteps`) gives the
 same update either way; a per-leaf one (a weight-decay mask, `optax.masked`,
 `optax.multi_transform`, LARS/LAMB trust ratios) does not: its masks and norms
 would see whole stages instead of the model's leaves, and train something
-else without a word. `check_layout` finds out by running the optimizer once on
-both layouts and refuses when they differ.
+else without a word. `check_layout` finds out by running the optimizer for a
+few steps on both layouts and refuses when they differ.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
+
+from parstrat._src import trees
 
 
 def _same_layout(plan, abstract_params) -> bool:
@@ -27,18 +30,29 @@ def _same_layout(plan, abstract_params) -> bool:
   ) == shapes(abstract_params)
 
 
-def _updates(optimizer, params, grads):
-  state = optimizer.init(params)
-  updates, _ = optimizer.update(grads, state, params)
-  return updates
+#: Steps the probe runs: some per-leaf behaviour shows only after the first
+#: (a learning-rate warmup from 0, `MultiSteps` accumulating before it applies).
+STEPS = 3
+
+#: Leaf `i`'s probe values are scaled by `SCALES[i % 3]`, so per-leaf norms and
+#: clipping thresholds (trust ratios, `clip_by_block_rms`) differ between leaves
+#: as they do in a real model, instead of all being about 1.
+SCALES = (1.0, 1e-3, 1e3)
 
 
 def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   """Refuses `optimizer` when it would act differently on the plan's stored layout.
 
-  The optimizer's first update is computed on random params in the model's
-  layout and in the stored one, with random gradients and with zero
-  gradients (where only a weight-decay mask acts), and compared.
+  Nothing is run when the plan stores the model's own layout. Otherwise the
+  optimizer runs `STEPS` updates from random params on the model's layout and
+  on the stored one (random gradients, every leaf at its own scale); the updates and
+  the optimizer states (the stored one mapped back to the model's layout) must
+  agree after every step.
+
+  The probe costs about STEPS optimizer updates on full-size params on one
+  device, plus params- and gradient-sized arrays on the host, once per
+  trainer whose layout is not the model's (each pipeline or hybrid candidate
+  of "auto" included).
 
   Args:
     optimizer: the optax optimizer.
@@ -47,8 +61,8 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
     strategy: the strategy, for the message.
 
   Raises:
-    ValueError: if the updates differ, or the optimizer fails on the stored
-      layout (e.g. a mask function that reads Haiku module names).
+    ValueError: if the updates or states differ, or the optimizer fails on the
+      stored layout (e.g. a mask function that reads Haiku module names).
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
@@ -62,25 +76,8 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   """
   if _same_layout(plan, abstract_params):
     return
-  rng = np.random.default_rng(0)
-  draw = lambda x: np.asarray(rng.standard_normal(x.shape), x.dtype)  # noqa: E731
-  params = jax.tree.map(draw, abstract_params)
-  detail = ""
   with jax.default_device(jax.devices()[0]):
-    for grads in (jax.tree.map(draw, abstract_params), jax.tree.map(np.zeros_like, params)):
-      want = plan.to_stored(_updates(optimizer, params, grads))
-      try:
-        got = _updates(optimizer, plan.to_stored(params), plan.to_stored(grads))
-      except Exception as e:  # noqa: BLE001 - any failure on the flat layout is the answer
-        detail = f"on the flat layout it fails: {type(e).__name__}: {str(e).splitlines()[0]}"
-        break
-      for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if not np.allclose(a, b, rtol=1e-4, atol=1e-7 * max(1.0, float(np.abs(a).max()))):
-          detail = "its update on the flat layout differs from the update on the model's layout"
-          break
-      if detail:
-        break
+    detail = _difference(optimizer, plan, abstract_params)
   if detail:
     raise ValueError(
       f"{strategy!r} stores each pipeline stage's parameters as one flat buffer, and the "
@@ -90,3 +87,65 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
       "the model's own layout, or an element-wise optimizer (sgd, adam, adamw without a "
       "mask, clip_by_global_norm, MultiSteps)."
     )
+
+
+def _difference(optimizer, plan, abstract_params: Any) -> str | None:
+  """What differs between the optimizer on the model's layout and on the stored one."""
+  rng = np.random.default_rng(0)
+  leaves, treedef = jax.tree.flatten(abstract_params)
+
+  def draw():
+    return jax.tree.unflatten(
+      treedef,
+      [
+        np.asarray(SCALES[i % len(SCALES)] * rng.standard_normal(x.shape), x.dtype)
+        for i, x in enumerate(leaves)
+      ],
+    )
+
+  params = draw()
+  stored = plan.to_stored(params)
+  want_state = optimizer.init(params)
+  try:
+    got_state = optimizer.init(stored)
+  except Exception as e:  # noqa: BLE001 - any failure on the flat layout is the answer
+    return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
+  for step in range(STEPS):
+    grads = draw()
+    want, want_state = optimizer.update(grads, want_state, params)
+    try:
+      got, got_state = optimizer.update(plan.to_stored(grads), got_state, stored)
+    except Exception as e:  # noqa: BLE001
+      return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
+    if not _close(plan.to_params(got), want):
+      return f"its update {step + 1} on the flat layout differs from the one on the model's layout"
+    back = trees.map_param_like(got_state, stored, plan.to_params)
+    if jax.tree.structure(back) != jax.tree.structure(want_state):
+      return "its state on the flat layout has another structure than on the model's layout"
+    if not _close(back, want_state):
+      return f"its state after update {step + 1} on the flat layout differs"
+    params, stored = optax.apply_updates(params, want), optax.apply_updates(stored, got)
+  return None
+
+
+def _close(got: Any, want: Any) -> bool:
+  """Leaf by leaf equal up to float32 rounding, relative to each leaf's own scale."""
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    a, b = (np.asarray(_data(x), np.float64) for x in (a, b))
+    if a.shape != b.shape:
+      return False
+    scale = float(np.abs(a).max()) if a.size else 0.0
+    if not np.allclose(a, b, rtol=1e-4, atol=1e-6 * scale, equal_nan=True):
+      return False
+  return True
+
+
+def _data(x: Any) -> Any:
+  """An array's values; a typed PRNG key's raw bits (e.g. a noise transform's key)."""
+  if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    return jax.random.key_data(x)
+  return x
+
+
+def _first_line(e: Exception) -> str:
+  return (str(e).strip().splitlines() or [""])[0][:160]
