@@ -53,6 +53,26 @@ def test_residual_blocks_pair_their_own_linears_not_the_stream():
   assert dims["linear/w"] is None and dims["linear_5/w"] is None
 
 
+def test_a_residual_add_of_an_unsplit_activation_stops_a_pair():
+  def net(x):
+    h = jax.nn.relu(hk.Linear(FEATURES)(x)) + x  # x is not split
+    return hk.Linear(10)(h)
+
+  plan = _plan(hk.transform(net))
+  assert plan.groups == ()
+  assert "combines it with an unsplit activation" in _reasons(plan)["linear/w"]
+  assert _dims(plan)["linear/w"] is None and _dims(plan)["linear_1/w"] is None
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_tensor_split_plan_names_a_bad_model_axis_size(bad):
+  message = re.escape(f"model_parallel must be an integer >= 1, got {bad!r}.")
+  with pytest.raises(ValueError, match=message):
+    parstrat.tensor_split_plan(RESIDUAL_MLP, np.zeros((1, FEATURES), np.float32), bad)
+  with pytest.raises(TypeError, match="model must be an hk.Transformed"):
+    parstrat.tensor_split_plan(lambda x: x, np.zeros((1, FEATURES), np.float32))
+
+
 def test_attention_is_split_by_heads_and_layer_norms_stop_a_pair():
   plan = _plan(TRANSFORMER)
   attention = "multi_head_attention"

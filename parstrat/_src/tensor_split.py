@@ -653,6 +653,10 @@ def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> Ten
   Returns:
     The `TensorSplit`.
 
+  Raises:
+    TypeError: if `model` is not an `hk.Transformed` (no `init` and `apply`).
+    ValueError: if `model_parallel` is not an integer >= 1.
+
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, parstrat
     >>> def net(x):
@@ -665,5 +669,11 @@ def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> Ten
       head: replicated (not split: it is an output of the model)
       up: column-parallel (split by output features; consumed by down)
   """
+  if not (hasattr(model, "init") and hasattr(model, "apply")):
+    raise TypeError(
+      f"model must be an hk.Transformed (with init and apply), got {type(model).__name__}."
+    )
+  if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
+    raise ValueError(f"model_parallel must be an integer >= 1, got {model_parallel!r}.")
   params = jax.eval_shape(model.init, jax.random.key(0), sample_inputs)
   return analyse(lambda p, x: model.apply(p, None, x), params, sample_inputs, model_parallel)
