@@ -224,6 +224,23 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
   assert "\n" not in message
 
 
+def test_training_again_after_a_fallback_never_pushes_out_the_intact_checkpoints(trainer, tmp_path):
+  # keep=2 and a damaged step 3: without deleting it, saving step 2 again
+  # would make orbax keep [3 (damaged), 2] and delete the intact step 1.
+  _save(trainer, tmp_path, [1, 2, 3])
+  _flip(tmp_path / "3")
+  with Checkpointer(tmp_path, keep=2) as ckpt:
+    with pytest.warns(CheckpointWarning, match="step 3 "):
+      state, _ = ckpt.restore(trainer)
+    ckpt.delete(2)  # as if the crash had also lost step 2: restore step 1
+    with pytest.warns(CheckpointWarning, match="restored step 1"):
+      state, _ = ckpt.restore(trainer)
+    state, _ = trainer.step(state, (X, Y))
+    assert ckpt.save(trainer, state, {"at": 2}, step=2)
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.verify(1) is None and ckpt.verify(2) is None
+
+
 def test_without_a_manifest_a_checkpoint_restores_with_a_warning_and_a_damaged_step_is_rewritten(
   trainer, tmp_path
 ):

@@ -127,12 +127,23 @@ class Checkpointer:
       step: the checkpoint's number (default: `state.step`, the updates applied).
       force: save even if `step` is not a multiple of `save_every`.
 
+    Damaged checkpoints (see `verify`; one without a manifest is not taken
+    for damaged) of later steps are deleted first: they
+    are what `restore` skipped, and orbax, keeping the newest `keep` by step
+    number, would otherwise delete the intact ones in their place.
+
     Returns:
       Whether a checkpoint was written.
     """
     step = int(state.step) if step is None else int(step)
     if not force and step % self.save_every:
       return False
+    for newer in self._manager.all_steps():
+      # After `restore` fell back past damaged checkpoints, they are newer than
+      # the steps trained again; orbax keeps the newest `keep` by step number,
+      # so left in place they would push the intact ones out.
+      if newer > step and self.verify(newer) not in (None, "has no manifest"):
+        self._manager.delete(newer)
     if step in self._manager.all_steps():
       if self.verify(step) is None:
         return False
