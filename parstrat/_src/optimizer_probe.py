@@ -47,12 +47,14 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   optimizer runs `STEPS` updates from random params on the model's layout and
   on the stored one (random gradients, every leaf at its own scale); the updates and
   the optimizer states (the stored one mapped back to the model's layout) must
-  agree after every step.
+  agree after every step. The inner optimizer of `optax.MultiSteps` is probed
+  too.
 
-  The probe costs about STEPS optimizer updates on full-size params on one
-  device, plus params- and gradient-sized arrays on the host, once per
-  trainer whose layout is not the model's (each pipeline or hybrid candidate
-  of "auto" included).
+  The probe runs on the host's CPU device with full-size values: about STEPS
+  optimizer updates, and host memory for a few copies of the params (params,
+  gradients and the optimizer state, in both layouts), once per trainer
+  whose layout is not the model's, `init_abstract` included (so once per
+  pipeline or hybrid candidate of "auto").
 
   Args:
     optimizer: the optax optimizer.
@@ -76,8 +78,16 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   """
   if _same_layout(plan, abstract_params):
     return
-  with jax.default_device(jax.devices()[0]):
+  # On the host's CPU device: never an accelerator's memory, and always one of
+  # this process's own devices (jax.devices()[0] is not, in a multi-process run).
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
     detail = _difference(optimizer, plan, abstract_params)
+    # `optax.MultiSteps` applies nothing before its k-th step, which may be
+    # later than the probe's last: its inner optimizer is probed as well.
+    inner = getattr(optimizer, "inner_opt", None)
+    if not detail and inner is not None:
+      detail = _difference(inner, plan, abstract_params)
+      detail = detail and f"inside MultiSteps, {detail}"
   if detail:
     raise ValueError(
       f"{strategy!r} stores each pipeline stage's parameters as one flat buffer, and the "
@@ -105,6 +115,9 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
 
   params = draw()
   stored = plan.to_stored(params)
+  # One compiled update per layout: eager, control flow such as MultiSteps'
+  # `lax.cond` would be traced and compiled again at every step.
+  update = jax.jit(optimizer.update)
   want_state = optimizer.init(params)
   try:
     got_state = optimizer.init(stored)
@@ -112,9 +125,9 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
     return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
   for step in range(STEPS):
     grads = draw()
-    want, want_state = optimizer.update(grads, want_state, params)
+    want, want_state = update(grads, want_state, params)
     try:
-      got, got_state = optimizer.update(plan.to_stored(grads), got_state, stored)
+      got, got_state = update(plan.to_stored(grads), got_state, stored)
     except Exception as e:  # noqa: BLE001
       return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
     if not _close(plan.to_params(got), want):
