@@ -212,9 +212,12 @@ class Checkpointer:
     steps = sorted(self.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}.")
-    template = trainer.export_state(_template_state(trainer))
+    # Shapes only: a zero state exported to its replicated form would hold one
+    # more full copy of the state on every device while orbax restores another.
+    template = jax.eval_shape(trainer._compiled_export, trainer._abstract_state)  # noqa: SLF001
+    replicated = trainer._replicated  # noqa: SLF001
     abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), template
     )
     skipped = []
     for candidate in steps:
@@ -265,15 +268,6 @@ class Checkpointer:
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
       ),
     )
-
-
-def _template_state(trainer: Trainer) -> TrainState:
-  """A zero state with the trainer's shapes and shardings, to describe the restore."""
-  shardings = trainer._state_shardings  # noqa: SLF001
-  abstract = trainer._abstract_state  # noqa: SLF001
-  return jax.tree.map(
-    lambda a, s: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), s), abstract, shardings
-  )
 
 
 def _sha256(path: pathlib.Path) -> str:
