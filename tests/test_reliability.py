@@ -353,6 +353,26 @@ def test_the_cli_stops_at_a_batch_with_bad_labels(monkeypatch, capsys):
   )
 
 
+def test_the_checkpointer_closes_when_the_metrics_file_cannot(tmp_path, monkeypatch):
+  closed = []
+  real_close = Checkpointer.close
+
+  def failing_close(self):
+    raise OSError(28, "No space left on device")
+
+  def recorded_close(self):
+    closed.append(True)
+    real_close(self)
+
+  monkeypatch.setattr(History, "close", failing_close)
+  monkeypatch.setattr(Checkpointer, "close", recorded_close)
+  argv = [*TRAIN, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+          "--metrics", str(tmp_path / "metrics.jsonl")]  # fmt: skip
+  with pytest.raises(OSError, match="No space left"):
+    cli.main(argv)
+  assert closed == [True]  # orbax's threads are not left running at exit
+
+
 # ------------------------------------------------------------------ donated and foreign states
 
 

@@ -571,9 +571,11 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
     if ckpt is not None:
       ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
-    history.close()
-    if ckpt is not None:
-      ckpt.close()
+    try:
+      history.close()  # may raise (a full disk), the checkpointer closes anyway
+    finally:
+      if ckpt is not None:
+        ckpt.close()
   rate = examples / train_time if train_time else float("nan")
   say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
   say(
