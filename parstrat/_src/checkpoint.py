@@ -103,6 +103,7 @@ class Checkpointer:
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
+    """The steps of every complete checkpoint (intact or not: see `verify`)."""
     return list(self._manager.all_steps())
 
   def delete(self, step: int) -> None:
