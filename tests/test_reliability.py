@@ -317,6 +317,30 @@ def test_an_infinite_learning_rate_never_writes_a_nonfinite_param(tmp_path, caps
   assert not (tmp_path / "ck").exists()  # nothing was trained or saved
 
 
+def _overflowing_state() -> optax.GradientTransformation:
+  """Passes the updates on, but its own state overflows to infinity."""
+
+  def init(params):
+    return jnp.zeros((), jnp.float32)
+
+  def update(updates, state, params=None):
+    del params
+    return updates, state + jnp.float32(3e38) * 2
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_a_nonfinite_optimizer_state_alone_is_skipped():
+  # Finite loss, gradients and params: only the optimizer state is infinite.
+  optimizer = optax.chain(optax.sgd(0.1), _overflowing_state())
+  bad = parstrat.DataParallel(data=2)(MODEL, optimizer, skip_nonfinite=True)
+  state = bad.init(jax.random.key(0), X[:1])
+  before = jax.device_get(bad.export_state(state))
+  state, metrics = bad.step(state, (X, Y))
+  assert not bool(metrics["finite"])
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(bad.export_state(state)), before)
+
+
 # ------------------------------------------------------------------ labels
 
 
@@ -332,6 +356,12 @@ def test_labels_outside_the_classes_are_reported_and_raise_in_debug(trainer):
     "got values from 3 to 10.")):  # fmt: skip
     debug.step(state, (X, Y + 3))
   state, _ = debug.step(state, (X, Y))  # checked before anything ran: the state is intact
+  # The default loss passed explicitly (as "auto" passes it to its candidates) is the default.
+  explicit = parstrat.DataParallel(data=2)(
+    MODEL, optax.sgd(0.1), loss_fn=parstrat.softmax_cross_entropy
+  )
+  _, metrics = explicit.step(explicit.init(jax.random.key(0), X[:1]), (X, Y + 3))
+  assert not bool(metrics["labels_in_range"])
   custom = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1), loss_fn=lambda out, y: out.mean())
   _, metrics = custom.step(custom.init(jax.random.key(0), X[:1]), (X, Y))
   assert "labels_in_range" not in metrics  # only the default loss knows what a label is
