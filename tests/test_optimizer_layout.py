@@ -55,6 +55,11 @@ PER_LEAF = {
   ),
   # Applies nothing in the probe's first steps: only its state differs.
   "MultiSteps of a decay mask": optax.MultiSteps(MASKED_ADAMW, every_k_schedule=4),
+  # A learning rate of 0 for 50 steps: only the masked Adam state differs.
+  "masked Adam before a delayed warmup": optax.chain(
+    optax.masked(optax.scale_by_adam(), _decay_mask),
+    optax.scale_by_learning_rate(optax.linear_schedule(0.0, 1e-3, 100, transition_begin=50)),
+  ),
   # Clips only leaves whose RMS exceeds 10: none when every value is about 1.
   "block rms clipping": optax.chain(optax.clip_by_block_rms(10.0), optax.sgd(0.1)),
 }
