@@ -508,9 +508,12 @@ class Trainer:
   def init_abstract(self, rng: jax.Array, sample_inputs: Any) -> TrainState:
     """Like `init`, but returns `jax.ShapeDtypeStruct`s carrying the shardings.
 
-    Nothing is computed or allocated, so a model too big for the devices can
-    still be laid out and its step lowered (`trainer.lower(state, batch)`) to
-    read the compiled memory analysis; this is how "auto" measures candidates.
+    Nothing is computed or allocated on the devices, so a model too big for
+    them can still be laid out and its step lowered (`trainer.lower(state,
+    batch)`) to read the compiled memory analysis; this is how "auto" measures
+    candidates. (For a plan that does not store the model's own layout, e.g.
+    a pipeline, the optimizer-layout probe still runs, on the host's CPU with
+    full-size values: see `optimizer_probe.check_layout`.)
     """
     sample = self._check_sample(rng, sample_inputs)
     if self.strategy.deferred:
