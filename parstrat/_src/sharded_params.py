@@ -16,16 +16,27 @@ from jax.sharding import PartitionSpec as P
 
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.strategy import Plan
+from parstrat._src.strategy import model_loss
+from parstrat._src.strategy import outputs_fn
 
 
 def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str) -> Plan:
   """A plan on global arrays: the model's own layout, sharded by `param_spec`.
 
   The loss and gradients are written as for one device; XLA partitions them.
+  So a model that draws randomness gets the step's one key for the whole
+  global batch (JAX's partitionable threefry draws the same values however
+  the batch is laid out), and its state is updated from the whole batch:
+  both exactly as on one device.
   """
+  loss = jax.value_and_grad(model_loss(model, loss_fn), has_aux=True)
 
-  def loss_and_grad(params, inputs, labels):
-    return jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, inputs), labels))(params)
+  def loss_and_grad(params, inputs, targets, rng, model_state):
+    (value, model_state), grads = loss(params, inputs, targets, rng, model_state)
+    return value, grads, model_state
+
+  def forward(params, inputs, rng, model_state):
+    return model.apply(params, model_state, rng, inputs)[0]
 
   return Plan(
     param_spec=param_spec,
@@ -33,7 +44,7 @@ def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str
     to_stored=lambda params: params,
     to_params=lambda stored: stored,
     loss_and_grad=loss_and_grad,
-    forward=lambda params, inputs: model.apply(params, None, inputs),
+    forward=forward,
     manual=False,
     description=description,
   )
@@ -49,9 +60,9 @@ def fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> P:
   return P(*spec)
 
 
-def layer_order(model, sample_params: Any, sample_inputs: jax.ShapeDtypeStruct) -> list[str]:
+def layer_order(model, sample_params: Any, sample_inputs: Any) -> list[str]:
   """The model's layers (top-level param keys) in the order its `apply` uses them."""
-  trace = partition_lib._trace(lambda p, x: model.apply(p, None, x), sample_params, sample_inputs)  # noqa: SLF001
+  trace = partition_lib._trace(outputs_fn(model), sample_params, sample_inputs)  # noqa: SLF001
   analysis = partition_lib._analyse(trace)  # noqa: SLF001
   return [trace.layer_names[k] for k in analysis.layer_order]
 

@@ -42,6 +42,7 @@ class TensorParallel(Strategy):
 
   model: int | None = None
   axis_names = (MODEL,)
+  supports_rng = True
 
   def make_mesh(self) -> Mesh:
     return build_mesh({MODEL: self.model}, self.devices)
