@@ -90,7 +90,9 @@ class RecompilingTrainer(Trainer):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class RecompilesEveryStep(parstrat.Strategy):
+class DataParallelOnFour(parstrat.Strategy):
+  """`DataParallel(data=4)`, for the broken variants below to change one thing of."""
+
   def make_mesh(self):
     return parstrat.DataParallel(data=4, devices=self.devices).make_mesh()
 
@@ -99,21 +101,19 @@ class RecompilesEveryStep(parstrat.Strategy):
       model, loss_fn, mesh, sample_params, sample_inputs
     )
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class RecompilesEveryStep(DataParallelOnFour):
   def __call__(self, model, optimizer, *, loss_fn=None):
     return RecompilingTrainer(self, model, optimizer, loss_fn=loss_fn)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class GarbageForward(parstrat.Strategy):
+class GarbageForward(DataParallelOnFour):
   """Trains like data parallelism, but its forward pass returns the wrong numbers."""
 
-  def make_mesh(self):
-    return parstrat.DataParallel(data=4, devices=self.devices).make_mesh()
-
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
-    plan = parstrat.DataParallel(data=4).make_plan(
-      model, loss_fn, mesh, sample_params, sample_inputs
-    )
+    plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
     return dataclasses.replace(plan, forward=lambda *args: 1.5 * plan.forward(*args))
 
 
@@ -124,15 +124,7 @@ class DoublesGradNorm(Trainer):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class ReportsTwiceTheGradNorm(parstrat.Strategy):
-  def make_mesh(self):
-    return parstrat.DataParallel(data=4, devices=self.devices).make_mesh()
-
-  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
-    return parstrat.DataParallel(data=4).make_plan(
-      model, loss_fn, mesh, sample_params, sample_inputs
-    )
-
+class ReportsTwiceTheGradNorm(DataParallelOnFour):
   def __call__(self, model, optimizer, *, loss_fn=None):
     return DoublesGradNorm(self, model, optimizer, loss_fn=loss_fn)
 
