@@ -61,11 +61,8 @@ STRATEGIES = {
 # ------------------------------------------------------------------ pytree batches
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_dict_batches_with_integer_inputs_match_jit(name):
-  # SGD everywhere; Adam where the batch is cut by code of parstrat's own
-  # (data_parallel's blocks, the pipeline's microbatches).
-  optimizers = [optax.sgd(0.1)]
-  if name in ("data_parallel", "pipeline"):
-    optimizers.append(optax.adam(1e-2))
+  # SGD everywhere (a wrong gradient scale shows), and Adam once.
+  optimizers = [optax.sgd(0.1)] + ([optax.adam(1e-2)] if name == "data_parallel" else [])
   parstrat.testing.check_strategy(
     STRATEGIES[name],
     TOKEN_MODEL,
@@ -76,7 +73,7 @@ def test_dict_batches_with_integer_inputs_match_jit(name):
   )
 
 
-@pytest.mark.parametrize("name, accumulate", [("data_parallel", 2), ("fsdp", 2)])
+@pytest.mark.parametrize("name, accumulate", [("fsdp", 2)])
 def test_pairs_with_pytree_inputs_and_the_default_loss(name, accumulate):
   batches = [((b["tokens"], b["scale"]), b["targets"]) for b in _token_batches(3)]
   parstrat.testing.check_strategy(
@@ -161,7 +158,7 @@ def two_head_loss(outputs, labels):
   return softmax_cross_entropy(outputs["logits"], labels) + 0.1 * jnp.mean(outputs["score"] ** 2)
 
 
-@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
+@pytest.mark.parametrize("name", ["data_parallel", "tensor"])  # fsdp: tensor's global plan
 def test_models_with_several_outputs_match_jit(name):
   parstrat.testing.check_strategy(
     STRATEGIES[name], TWO_HEADS, [optax.sgd(0.1)], steps=2, batch=16, features=8,
