@@ -1126,7 +1126,9 @@ class Trainer:
   def params(self, state: TrainState) -> Params:
     """Returns the full params in the model's own Haiku layout (replicated).
 
-    `model.apply(trainer.params(state), None, x)` works without parstrat.
+    `model.apply(trainer.params(state), None, x)` works without parstrat (for an
+    `hk.transform_with_state` model, `model.apply(trainer.params(state),
+    state.model_state, rng, x)`).
     """
     return self._compiled_params(state.params)
 
