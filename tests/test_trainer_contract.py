@@ -11,6 +11,7 @@ import pytest
 import parstrat
 import parstrat.testing
 from parstrat import softmax_cross_entropy
+from parstrat.checkpoint import Checkpointer
 
 VOCAB, LENGTH, CLASSES, ROWS = 16, 4, 10, 16
 SGD_AND_ADAM = dict(steps=3)
@@ -158,7 +159,7 @@ def two_head_loss(outputs, labels):
   return softmax_cross_entropy(outputs["logits"], labels) + 0.1 * jnp.mean(outputs["score"] ** 2)
 
 
-@pytest.mark.parametrize("name", ["data_parallel", "tensor"])  # fsdp: tensor's global plan
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
 def test_models_with_several_outputs_match_jit(name):
   parstrat.testing.check_strategy(
     STRATEGIES[name], TWO_HEADS, [optax.sgd(0.1)], steps=2, batch=16, features=8,
@@ -166,8 +167,9 @@ def test_models_with_several_outputs_match_jit(name):
   )  # fmt: skip
 
 
-def test_the_pipeline_refuses_several_outputs_clearly():
-  trainer = STRATEGIES["pipeline"](TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss)
+@pytest.mark.parametrize("name", ["pipeline", "hybrid"])
+def test_pipelines_refuse_several_outputs_clearly(name):
+  trainer = STRATEGIES[name](TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss)
   with pytest.raises(ValueError, match=r"returns 2 \(a pytree of outputs\).*data_parallel, fsdp"):
     trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
 
@@ -298,7 +300,7 @@ def test_other_layouts_refuse_state_naming_the_strategy(name):
     trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
 
 
-def test_rng_and_model_state_travel_with_the_exported_state():
+def test_rng_and_model_state_travel_with_the_exported_state(tmp_path):
   images, labels = parstrat.testing.random_batches(1, 16, features=8)
   source = parstrat.DataParallel(data=4)(RUNNING_MEAN, optax.sgd(0.1))
   state = source.init(jax.random.key(5), images[0][:1])
@@ -311,6 +313,10 @@ def test_rng_and_model_state_travel_with_the_exported_state():
   jax.tree.map(np.testing.assert_array_equal, again, exported)
   with pytest.raises(ValueError, match="saved model_state do not fit"):
     target.import_state({**exported, "model_state": {}})
+  with Checkpointer(tmp_path, save_every=1) as checkpoints:  # a checkpoint holds them too
+    checkpoints.save(source, state, {}, force=True)
+    restored, _ = checkpoints.restore(target)
+  jax.tree.map(np.testing.assert_array_equal, target.export_state(restored), exported)
 
 
 # ------------------------------------------------------------------ apply
