@@ -291,7 +291,7 @@ def test_the_readme_reads_a_checkpoint_with_plain_orbax_from_a_relative_path(
   scope = {}
   exec(code, scope)  # the README's lines, with the README's relative path "ckpt/40/state"
   assert set(scope["saved"]["params"]) == {"mlp/~/linear_0", "mlp/~/linear_1"}
-  assert set(scope["saved"]) == {"step", "params", "opt_state"}
+  assert set(scope["saved"]) == {"step", "params", "opt_state", "rng", "model_state"}
 
 
 # ------------------------------------------------------------------ non-finite updates
