@@ -15,3 +15,10 @@ os.environ["XLA_FLAGS"] = " ".join(
   [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
 ).strip()
 parstrat.testing.use_cpu_devices(8)
+
+# Start the backend now: an in-process `parstrat train --devices 2` (the CLI
+# tests) would otherwise set JAX's CPU device count for every later test when
+# it happens to be the first thing to touch JAX.
+import jax  # noqa: E402
+
+assert len(jax.devices()) == 8, jax.devices()
