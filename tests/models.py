@@ -1,0 +1,246 @@
+"""A small zoo of ordinary Haiku models, with their batches and losses, for the tests.
+
+Every model is tiny (widths 8-32) so compiling it is cheap, and deep enough to
+be cut into 4 pipeline stages. Each `ModelSpec` says how to build a batch of
+`batch` examples for a step and which loss to train with; the batches are
+pairs `(inputs, labels)` (float features or images with integer class
+labels, or integer token ids with integer next-token targets).
+
+Widths are multiples of 8 so that every tensor-parallel split (T = 2, 4, 8)
+divides them, except where a model is about something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+#: Features of the vector models' inputs, and classes of every classifier.
+FEATURES = 12
+CLASSES = 10
+#: The token models: vocabulary, sequence length, model width, heads.
+VOCAB = 16
+SEQ = 8
+WIDTH = 16
+HEADS = 2
+
+# Non-zero bias init, so that an optimizer mask that wrongly decays biases shows.
+_BIAS = hk.initializers.RandomNormal(0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model of the zoo with its data and loss.
+
+  Attributes:
+    name: short name used in test ids.
+    model: the `hk.Transformed`.
+    batches: `(steps, batch, seed) -> list of (inputs, labels)`, deterministic.
+    loss_fn: `(outputs, labels) -> scalar` mean loss, or None for the default
+      softmax cross-entropy on `[B]` integer labels.
+    uses_rng: the model calls `hk.next_rng_key()` (its apply needs a key).
+  """
+
+  name: str
+  model: hk.Transformed
+  batches: Callable[[int, int, int], list[tuple[Any, Any]]]
+  loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  uses_rng: bool = False
+
+  def sample(self, seed: int = 0) -> Any:
+    """One example's inputs (batch of 1), for `trainer.init`."""
+    return self.batches(1, 1, seed)[0][0]
+
+
+# ---------------------------------------------------------------- data
+def feature_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[Any, Any]]:
+  """Float features `[batch, FEATURES]` in [0, 1) and labels `[batch]` in [0, CLASSES)."""
+  rng = np.random.default_rng(seed)
+  return [
+    (
+      rng.random((batch, FEATURES), dtype=np.float32),
+      rng.integers(0, CLASSES, batch).astype(np.int32),
+    )
+    for _ in range(steps)
+  ]
+
+
+def image_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[Any, Any]]:
+  """Float images `[batch, 8, 8, 1]` and labels `[batch]`."""
+  rng = np.random.default_rng(seed)
+  return [
+    (
+      rng.random((batch, 8, 8, 1), dtype=np.float32),
+      rng.integers(0, CLASSES, batch).astype(np.int32),
+    )
+    for _ in range(steps)
+  ]
+
+
+def token_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[Any, Any]]:
+  """Integer tokens `[batch, SEQ]` and their next tokens `[batch, SEQ]` as targets.
+
+  The sequences follow a simple rule (each token is the previous one plus a
+  per-sequence stride, mod VOCAB) so a model can learn them.
+  """
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    start = rng.integers(0, VOCAB, (batch, 1))
+    stride = rng.integers(1, 4, (batch, 1))
+    seq = (start + stride * np.arange(SEQ + 1)) % VOCAB
+    out.append((seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)))
+  return out
+
+
+def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy over every position: logits `[B, T, V]`, targets `[B, T]`."""
+  return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+# ---------------------------------------------------------------- models
+def _mlp(x):
+  return hk.nets.MLP([16, 16, 16, CLASSES], b_init=_BIAS, activation=jax.nn.relu)(x)
+
+
+def _mlp_layernorm(x):
+  for width in (16, 16, 16):
+    x = hk.Linear(width, b_init=_BIAS)(x)
+    x = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+    x = jax.nn.relu(x)
+  return hk.Linear(CLASSES, b_init=_BIAS)(x)
+
+
+def _residual_mlp(x):
+  x = hk.Linear(16, b_init=_BIAS, name="embed")(x)
+  for i in range(2):  # x = x + Linear(relu(Linear(x)))
+    h = jax.nn.relu(hk.Linear(32, b_init=_BIAS, name=f"block{i}_in")(x))
+    x = x + hk.Linear(16, b_init=_BIAS, name=f"block{i}_out")(h)
+  return hk.Linear(CLASSES, b_init=_BIAS, name="head")(x)
+
+
+def _cnn(x):
+  x = jax.nn.relu(hk.Conv2D(8, 3, b_init=_BIAS)(x))  # [B, 8, 8, 8]
+  x = jax.nn.relu(hk.Conv2D(8, 3, stride=2, b_init=_BIAS)(x))  # [B, 4, 4, 8]
+  x = hk.Flatten()(x)
+  x = jax.nn.relu(hk.Linear(16, b_init=_BIAS)(x))
+  return hk.Linear(CLASSES, b_init=_BIAS)(x)
+
+
+def _shared_weights(x):
+  x = jax.nn.relu(hk.Linear(16, b_init=_BIAS, name="embed")(x))
+  shared = hk.Linear(16, b_init=_BIAS, name="shared")
+  x = jax.nn.relu(shared(x))
+  x = jax.nn.relu(hk.Linear(16, b_init=_BIAS, name="middle")(x))
+  x = jax.nn.relu(shared(x))  # the same weights again, two layers later
+  return hk.Linear(CLASSES, b_init=_BIAS, name="head")(x)
+
+
+def dropout_mlp(rate: float) -> Callable[[jax.Array], jax.Array]:
+  """An MLP with `hk.dropout(hk.next_rng_key(), rate, .)` after each hidden layer."""
+
+  def net(x):
+    for width in (16, 16, 16):
+      x = jax.nn.relu(hk.Linear(width, b_init=_BIAS)(x))
+      x = hk.dropout(hk.next_rng_key(), rate, x)
+    return hk.Linear(CLASSES, b_init=_BIAS)(x)
+
+  return net
+
+
+def causal_lm(
+  tokens: jax.Array,
+  *,
+  vocab: int = VOCAB,
+  width: int = WIDTH,
+  heads: int = HEADS,
+  blocks: int = 2,
+  tied: bool = True,
+  dropout: float = 0.0,
+) -> jax.Array:
+  """A decoder-only transformer LM: int tokens `[B, T]` -> logits `[B, T, vocab]`.
+
+  Token and position embeddings, `blocks` pre-LayerNorm blocks (causal
+  multi-head self-attention and a 4x MLP, each with a residual connection), a
+  final LayerNorm and a head that is either the token embedding itself
+  (`tied`: logits are `x @ embeddings.T`, the matrix `hk.Embed` looks tokens
+  up in) or a separate linear layer.
+  """
+  seq = tokens.shape[-1]
+  init = hk.initializers.TruncatedNormal(0.02)
+  embed = hk.Embed(vocab, width, w_init=init, name="embed")
+  positions = hk.get_parameter("positions", [seq, width], init=init)
+  x = embed(tokens) + positions
+  mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
+  for i in range(blocks):
+    h = hk.LayerNorm(-1, True, True, name=f"block{i}_ln_attn")(x)
+    h = hk.MultiHeadAttention(heads, width // heads, w_init=init, name=f"block{i}_attn")(
+      h, h, h, mask=mask
+    )
+    if dropout:
+      h = hk.dropout(hk.next_rng_key(), dropout, h)
+    x = x + h
+    h = hk.LayerNorm(-1, True, True, name=f"block{i}_ln_mlp")(x)
+    h = jax.nn.gelu(hk.Linear(4 * width, w_init=init, name=f"block{i}_mlp_in")(h))
+    x = x + hk.Linear(width, w_init=init, name=f"block{i}_mlp_out")(h)
+  x = hk.LayerNorm(-1, True, True, name="ln_final")(x)
+  if tied:  # Haiku 0.0.17's hk.Embed has no `attend`: the same product by hand
+    return x @ embed.embeddings.T
+  return hk.Linear(vocab, w_init=init, name="head")(x)
+
+
+def transformer_lm(tied: bool = True, **config: Any) -> hk.Transformed:
+  """`causal_lm` as an `hk.Transformed` (see its arguments)."""
+  return hk.transform(lambda tokens: causal_lm(tokens, tied=tied, **config))
+
+
+MLP = ModelSpec("mlp", hk.transform(_mlp), feature_batches)
+MLP_LAYERNORM = ModelSpec("mlp_layernorm", hk.transform(_mlp_layernorm), feature_batches)
+RESIDUAL_MLP = ModelSpec("residual_mlp", hk.transform(_residual_mlp), feature_batches)
+CNN = ModelSpec("cnn", hk.transform(_cnn), image_batches)
+LM = ModelSpec("lm", transformer_lm(tied=True), token_batches, token_loss)
+LM_UNTIED = ModelSpec("lm_untied", transformer_lm(tied=False), token_batches, token_loss)
+SHARED = ModelSpec("shared", hk.transform(_shared_weights), feature_batches)
+#: Rate 0: it draws keys like any dropout model but must match jit exactly.
+DROPOUT = ModelSpec("dropout", hk.transform(dropout_mlp(0.0)), feature_batches, uses_rng=True)
+
+ZOO = {m.name: m for m in (MLP, MLP_LAYERNORM, RESIDUAL_MLP, CNN, LM, LM_UNTIED, SHARED, DROPOUT)}
+
+
+# ---------------------------------------------------------------- optimizers
+def no_decay_mask(params: Any) -> Any:
+  """True for weights; False for biases and LayerNorm scales and offsets (Haiku names)."""
+
+  def decays(path, _):
+    module, name = str(path[0].key), str(path[-1].key)
+    return not (name in ("b", "offset", "scale") or "ln" in module or "layer_norm" in module)
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+#: lr * weight_decay = 1e-2: a mask that is ignored moves a bias of 0.1 by
+#: 1e-3 per step, ten times the Adam tolerance (lr / 10).
+ADAMW_LR = 1e-3
+ADAMW_DECAY = 10.0
+
+
+def optimizers() -> dict[str, optax.GradientTransformation]:
+  """The optimizers of the matrix, by name."""
+  return {
+    "sgd_momentum": optax.sgd(0.1, momentum=0.9),
+    "adam": optax.adam(1e-3),
+    "clip_sgd": optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1)),
+    "adamw_mask": optax.adamw(ADAMW_LR, weight_decay=ADAMW_DECAY, mask=no_decay_mask),
+    "multisteps": optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+  }
+
+
+#: Optimizers that divide by sqrt(v): params compared to lr / 10 (see testing.py).
+ADAM_LIKE = ("adam", "adamw_mask")
