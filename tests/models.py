@@ -13,14 +13,18 @@ divides them, except where a model is about something else.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
+
+import parstrat
+import parstrat.testing
 
 #: Features of the vector models' inputs, and classes of every classifier.
 FEATURES = 12
@@ -155,50 +159,23 @@ def dropout_mlp(rate: float) -> Callable[[jax.Array], jax.Array]:
   return net
 
 
-def causal_lm(
-  tokens: jax.Array,
-  *,
-  vocab: int = VOCAB,
-  width: int = WIDTH,
-  heads: int = HEADS,
-  blocks: int = 2,
-  tied: bool = True,
-  dropout: float = 0.0,
-) -> jax.Array:
-  """A decoder-only transformer LM: int tokens `[B, T]` -> logits `[B, T, vocab]`.
-
-  Token and position embeddings, `blocks` pre-LayerNorm blocks (causal
-  multi-head self-attention and a 4x MLP, each with a residual connection), a
-  final LayerNorm and a head that is either the token embedding itself
-  (`tied`: logits are `x @ embeddings.T`, the matrix `hk.Embed` looks tokens
-  up in) or a separate linear layer.
-  """
-  seq = tokens.shape[-1]
-  init = hk.initializers.TruncatedNormal(0.02)
-  embed = hk.Embed(vocab, width, w_init=init, name="embed")
-  positions = hk.get_parameter("positions", [seq, width], init=init)
-  x = embed(tokens) + positions
-  mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None]
-  for i in range(blocks):
-    h = hk.LayerNorm(-1, True, True, name=f"block{i}_ln_attn")(x)
-    h = hk.MultiHeadAttention(heads, width // heads, w_init=init, name=f"block{i}_attn")(
-      h, h, h, mask=mask
-    )
-    if dropout:
-      h = hk.dropout(hk.next_rng_key(), dropout, h)
-    x = x + h
-    h = hk.LayerNorm(-1, True, True, name=f"block{i}_ln_mlp")(x)
-    h = jax.nn.gelu(hk.Linear(4 * width, w_init=init, name=f"block{i}_mlp_in")(h))
-    x = x + hk.Linear(width, w_init=init, name=f"block{i}_mlp_out")(h)
-  x = hk.LayerNorm(-1, True, True, name="ln_final")(x)
-  if tied:  # Haiku 0.0.17's hk.Embed has no `attend`: the same product by hand
-    return x @ embed.embeddings.T
-  return hk.Linear(vocab, w_init=init, name="head")(x)
+def _load_example(name: str):
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
-def transformer_lm(tied: bool = True, **config: Any) -> hk.Transformed:
-  """`causal_lm` as an `hk.Transformed` (see its arguments)."""
-  return hk.transform(lambda tokens: causal_lm(tokens, tied=tied, **config))
+#: examples/transformer_lm.py: the LM of the example is the zoo's LM, smaller.
+transformer_lm_example = _load_example("transformer_lm")
+
+
+def transformer_lm(tied: bool = True) -> hk.Transformed:
+  """The example's decoder-only LM with tiny sizes: tokens `[B, SEQ]` -> `[B, SEQ, VOCAB]`."""
+  lm = transformer_lm_example.causal_lm
+  config = dict(vocab=VOCAB, width=WIDTH, heads=HEADS, blocks=2, tied=tied)
+  return hk.transform(lambda tokens: lm(tokens, **config))
 
 
 MLP = ModelSpec("mlp", hk.transform(_mlp), feature_batches)
@@ -244,3 +221,23 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
 
 #: Optimizers that divide by sqrt(v): params compared to lr / 10 (see testing.py).
 ADAM_LIKE = ("adam", "adamw_mask")
+
+
+# ---------------------------------------------------------------- the oracle
+def jit_run(
+  spec: ModelSpec, optimizer: optax.GradientTransformation, steps: int, batch: int, seed: int
+) -> tuple[list[float], Any]:
+  """Plain single-device jit training (`parstrat.testing.reference_run`) on `spec`'s batches.
+
+  Params come from `spec.model.init` with `jax.random.key(seed)`. A model that
+  draws random numbers gets the fixed key `seed + 1` (its dropout rate is 0
+  in the matrix, so any key gives the same numbers).
+  """
+  model = spec.model
+  if spec.uses_rng:
+    key = jax.random.key(seed + 1)
+    model = hk.Transformed(model.init, lambda params, _, x: spec.model.apply(params, key, x))
+  params = jax.jit(spec.model.init)(jax.random.key(seed), spec.sample())
+  inputs, labels = zip(*spec.batches(steps, batch, seed), strict=True)
+  loss_fn = spec.loss_fn or parstrat.softmax_cross_entropy
+  return parstrat.testing.reference_run(model, optimizer, inputs, labels, params, loss_fn)

@@ -153,33 +153,11 @@ def _strategy_name(strategy_id: str) -> str:
   return strategy_id.split(":", maxsplit=1)[0]
 
 
-def jit_run(spec: models.ModelSpec, optimizer: optax.GradientTransformation):
-  """Per-step losses and final params of plain single-device jit training."""
-  loss_fn = spec.loss_fn or parstrat.softmax_cross_entropy
-  params = jax.jit(spec.model.init)(jax.random.key(SEED), spec.sample())
-  opt_state = optimizer.init(params)
-  rng = jax.random.key(SEED + 1)  # only dropout (rate 0) models draw from it
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    def loss(p):
-      return loss_fn(spec.model.apply(p, rng, x), y)
-
-    value, grads = jax.value_and_grad(loss)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
-
-  losses = []
-  for x, y in spec.batches(STEPS, BATCH, SEED):
-    params, opt_state, value = step(params, opt_state, x, y)
-    losses.append(float(value))
-  return losses, params
-
-
 @functools.cache
 def _reference(model_name: str, optimizer_name: str):
-  """`jit_run`, computed once per (model, optimizer) pair."""
-  return jit_run(models.ZOO[model_name], models.optimizers()[optimizer_name])
+  """Plain single-device jit's losses and final params, once per (model, optimizer) pair."""
+  spec = models.ZOO[model_name]
+  return models.jit_run(spec, models.optimizers()[optimizer_name], STEPS, BATCH, SEED)
 
 
 def run_case(strategy_id: str, model_name: str, optimizer_name: str) -> dict:
@@ -276,7 +254,7 @@ def test_the_adamw_mask_is_visible_at_these_tolerances():
   """Were the mask ignored (biases and LayerNorm decayed), the params would differ."""
   _, masked = _reference("mlp_layernorm", "adamw_mask")
   unmasked = optax.adamw(models.ADAMW_LR, weight_decay=models.ADAMW_DECAY)
-  _, decayed = jit_run(models.MLP_LAYERNORM, unmasked)
+  _, decayed = models.jit_run(models.MLP_LAYERNORM, unmasked, STEPS, BATCH, SEED)
   for layer, leaf in (("linear", "b"), ("layer_norm", "scale")):
     diff = np.max(np.abs(masked[layer][leaf] - decayed[layer][leaf]))
     assert diff > 5 * ADAM_PARAM_TOL, (layer, leaf, diff)
