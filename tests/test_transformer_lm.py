@@ -43,8 +43,8 @@ MATCH = "match"
 #: The tied head under each strategy: MATCH, or a substring of the refusal.
 TIED = {
   "data_parallel": MATCH,
-  "pipeline": "cannot be cut into 2 stages",
-  "hybrid": "cannot be cut into 2 stages",
+  "pipeline": "the parameters of 'embed' are used both before and after",
+  "hybrid": "the parameters of 'embed' are used both before and after",
   "fsdp": MATCH,
   "tensor": MATCH,
 }
