@@ -44,15 +44,20 @@ class TwoLevelDataParallel(parstrat.Strategy):
     return parstrat.build_mesh({"host": self.hosts, "local": None}, self.devices)
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
-    def loss_and_grad(params, images, labels):
+    # `model` follows Haiku's stateful contract: apply(params, state, rng, inputs)
+    # -> (outputs, state). This strategy does not declare supports_rng or
+    # supports_state, so the trainer only gives it models that need neither.
+    def loss_and_grad(params, inputs, labels, rng, model_state):
       def local_loss(p):
-        return loss_fn(model.apply(p, None, images), labels)
+        outputs, _ = model.apply(p, model_state, rng, inputs)
+        return loss_fn(outputs, labels)
 
       # Per-device gradients (params made device-varying first), then one
       # average over the tuple of axis names.
       local = lax.pcast(params, AXES, to="varying")
       loss, grads = jax.value_and_grad(local_loss)(local)
-      return lax.pmean((loss, grads), AXES)
+      loss, grads = lax.pmean((loss, grads), AXES)
+      return loss, grads, model_state
 
     return parstrat.Plan(
       param_spec=P(),
@@ -60,7 +65,9 @@ class TwoLevelDataParallel(parstrat.Strategy):
       to_stored=lambda params: params,
       to_params=lambda stored: stored,
       loss_and_grad=loss_and_grad,
-      forward=lambda params, images: model.apply(params, None, images),
+      forward=lambda params, inputs, rng, model_state: model.apply(
+        params, model_state, rng, inputs
+      )[0],
       description="params replicated; batch split over ('host', 'local')",
     )
 

@@ -21,6 +21,7 @@ from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
 from parstrat._src.strategy import accumulate_gradients
 from parstrat._src.strategy import build_mesh
+from parstrat._src.strategy import model_loss
 from parstrat._src.strategy import softmax_cross_entropy
 from parstrat._src.tensor_parallel import TensorParallel
 from parstrat._src.tensor_split import tensor_split_plan
@@ -47,6 +48,7 @@ __all__ = [
   "checks",
   "collectives",
   "get",
+  "model_loss",
   "pipeline",
   "register",
   "softmax_cross_entropy",

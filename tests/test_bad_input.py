@@ -80,12 +80,15 @@ STEP_CASES = [
   ("odd batch", (X[:3], Y[:3]), ValueError, r"positive multiple of 2 \(1 device\(s\).* x 2 "
    r"microbatches\), got 3"),
   ("wrong features", (X[:, :10], Y), ValueError, r"shape \[B, 784\] .*got \(16, 10\)"),
-  ("int images", (X.astype(np.int32), Y), TypeError, "floating point .*got dtype int32"),
+  ("int images", (X.astype(np.int32), Y), TypeError, r"batch\[0\] \(the model inputs\) must "
+   "have dtype float32 like the sample_inputs given to init, got dtype int32"),
   ("float labels", (X, Y.astype(np.float32)), TypeError, "integer class ids, got dtype float32"),
   ("labels 2-D", (X, Y[:, None]), ValueError, r"labels must have shape \[16\], got \(16, 1\)"),
-  ("labels short", (X, Y[:4]), ValueError, r"leading axis of 16 .*got shape \(4,\)"),
-  ("triple", (X, Y, Y), TypeError, r"pair \(images, labels\), got tuple"),
-  ("dict", {"x": X}, TypeError, r"pair \(images, labels\), got dict"),
+  ("labels short", (X, Y[:4]), ValueError, r"The leaves of batch must share their leading "
+   r"\(batch\) axis, got batch\[0\]: 16, batch\[1\]: 4"),
+  ("triple", (X, Y, Y), TypeError, r"pair \(inputs, labels\), got tuple of 3; .*model_inputs="),
+  ("dict", {"x": X}, TypeError, r"pair \(inputs, labels\), got dict"),
+  ("scalar labels", (X, np.int32(3)), ValueError, r"batch\[1\] needs a leading batch axis"),
 ]  # fmt: skip
 
 
@@ -102,8 +105,8 @@ def test_step_rejects_bad_batches_and_keeps_the_state_usable(trained, name, batc
 
 def test_a_failed_init_leaves_nothing_half_built():
   trainer = parstrat.PipelineModelParallel(stages=2, microbatches=2)(SEED_MLP, optax.sgd(0.1))
-  with pytest.raises(TypeError):
-    trainer.init(KEY, X[:1].astype(np.int32))
+  with pytest.raises(ValueError, match=r"sample_inputs must share .*\['a'\]: 1, .*\['b'\]: 2"):
+    trainer.init(KEY, {"a": X[:1], "b": X[:2]})
   with pytest.raises(RuntimeError, match="Call trainer.init"):
     trainer.apply(None, X)
   state = trainer.init(KEY, X[:1])  # and a good init afterwards works

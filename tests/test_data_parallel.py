@@ -1,4 +1,3 @@
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,7 +120,7 @@ class TestBadInput:
     trainer, state, x, y = setup
     with pytest.raises(ValueError, match=r"labels must have shape \[16\], got \(16, 1\)"):
       trainer.step(state, (x, y[:, None]))
-    with pytest.raises(ValueError, match=r"leading axis of 16 .*got shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"share their leading .*batch\[0\]: 16, batch\[1\]: 8"):
       trainer.step(state, (x, y[:8]))
 
   def test_labels_of_wrong_dtype(self, setup):
@@ -138,12 +137,12 @@ class TestBadInput:
 
   def test_integer_images(self, setup):
     trainer, state, x, y = setup
-    with pytest.raises(TypeError, match="images must be floating point .*got dtype int32"):
+    with pytest.raises(TypeError, match=r"batch\[0\] .*must have dtype float32 .*got dtype int32"):
       trainer.step(state, (x.astype(np.int32), y))
 
   def test_not_a_pair(self, setup):
     trainer, state, x, _ = setup
-    with pytest.raises(TypeError, match=r"pair \(images, labels\)"):
+    with pytest.raises(TypeError, match=r"pair \(inputs, labels\)"):
       trainer.step(state, x)
 
   def test_state_survives_a_rejected_step(self, setup):
@@ -154,9 +153,6 @@ class TestBadInput:
     assert int(new_state.step) == 1 and np.isfinite(float(metrics["loss"]))
 
   def test_wrong_model_and_optimizer(self):
-    stateful = hk.transform_with_state(lambda x: hk.Linear(2)(x))
-    with pytest.raises(TypeError, match="hk.TransformedWithState"):
-      parstrat.DataParallel()(stateful, optax.sgd(0.1))
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
       parstrat.DataParallel()(SEED_MLP, "adam")
     with pytest.raises(TypeError, match="hk.Transformed"):
@@ -164,8 +160,8 @@ class TestBadInput:
 
   def test_sample_inputs(self):
     trainer = parstrat.DataParallel(data=2)(SEED_MLP, optax.sgd(0.1))
-    with pytest.raises(TypeError, match="floating point, got dtype int32"):
-      trainer.init(jax.random.key(0), np.zeros((1, 784), np.int32))
+    with pytest.raises(TypeError, match=r"sample_inputs\['x'\] must be a jax or numpy array"):
+      trainer.init(jax.random.key(0), {"x": "images"})
     with pytest.raises(ValueError, match=r"leading batch axis of size >= 1, got shape \(0, 784\)"):
       trainer.init(jax.random.key(0), jnp.zeros((0, 784)))
     with pytest.raises(RuntimeError, match="Call trainer.init"):

@@ -19,10 +19,12 @@ from parstrat._src.strategy import Trainer
 def _dp_plan(model, loss_fn, axes, reduce, check_vma=True):
   """A data-parallel plan whose gradient reduction is `reduce(loss, grads)`."""
 
-  def loss_and_grad(params, images, labels):
+  def loss_and_grad(params, images, labels, rng, model_state):
     local = lax.pcast(params, axes, to="varying") if check_vma else params
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, images), labels))(local)
-    return reduce(loss, grads)
+    loss, grads = jax.value_and_grad(
+      lambda p: loss_fn(model.apply(p, model_state, rng, images)[0], labels)
+    )(local)
+    return (*reduce(loss, grads), model_state)
 
   return parstrat.Plan(
     param_spec=P(),
@@ -30,7 +32,7 @@ def _dp_plan(model, loss_fn, axes, reduce, check_vma=True):
     to_stored=lambda p: p,
     to_params=lambda p: p,
     loss_and_grad=loss_and_grad,
-    forward=lambda params, x: model.apply(params, None, x),
+    forward=lambda params, x, rng, model_state: model.apply(params, model_state, rng, x)[0],
     check_vma=check_vma,
   )
 
@@ -88,7 +90,9 @@ class RecompilingTrainer(Trainer):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
-class RecompilesEveryStep(parstrat.Strategy):
+class DataParallelOnFour(parstrat.Strategy):
+  """`DataParallel(data=4)`, for the broken variants below to change one thing of."""
+
   def make_mesh(self):
     return parstrat.DataParallel(data=4, devices=self.devices).make_mesh()
 
@@ -97,8 +101,32 @@ class RecompilesEveryStep(parstrat.Strategy):
       model, loss_fn, mesh, sample_params, sample_inputs
     )
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class RecompilesEveryStep(DataParallelOnFour):
   def __call__(self, model, optimizer, *, loss_fn=None):
     return RecompilingTrainer(self, model, optimizer, loss_fn=loss_fn)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class GarbageForward(DataParallelOnFour):
+  """Trains like data parallelism, but its forward pass returns the wrong numbers."""
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
+    return dataclasses.replace(plan, forward=lambda *args: 1.5 * plan.forward(*args))
+
+
+class DoublesGradNorm(Trainer):
+  def step(self, state, batch):
+    state, metrics = super().step(state, batch)
+    return state, {**metrics, "grad_norm": 2 * metrics["grad_norm"]}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class ReportsTwiceTheGradNorm(DataParallelOnFour):
+  def __call__(self, model, optimizer, *, loss_fn=None):
+    return DoublesGradNorm(self, model, optimizer, loss_fn=loss_fn)
 
 
 KIT = dict(steps=3, batch=16)
@@ -135,6 +163,16 @@ def test_catches_replicas_that_drift():
 def test_catches_a_recompile_every_step():
   with pytest.raises(AssertionError, match=r"2 compilation\(s\) after the first step"):
     parstrat.testing.check_strategy(RecompilesEveryStep(), **KIT)
+
+
+def test_catches_a_forward_pass_unlike_the_model():
+  with pytest.raises(AssertionError, match=r"trainer.apply differs from model.apply on trainer"):
+    parstrat.testing.check_strategy(GarbageForward(), optimizers=[optax.sgd(0.1)], **KIT)
+
+
+def test_catches_a_wrong_grad_norm():
+  with pytest.raises(AssertionError, match=r"metrics\['grad_norm'\] differs from step 1"):
+    parstrat.testing.check_strategy(ReportsTwiceTheGradNorm(), optimizers=[optax.sgd(0.1)], **KIT)
 
 
 def test_vma_checking_rejects_a_missing_reduction_at_trace_time():

@@ -49,7 +49,9 @@ from parstrat._src import tensor_split
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
+from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import available_devices
+from parstrat._src.strategy import outputs_fn
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -111,7 +113,7 @@ class ModelStats:
 
   @classmethod
   def of(
-    cls, model, sample_params, sample_inputs: jax.ShapeDtypeStruct, parts: int = 2
+    cls, model, sample_params, sample_inputs: Any, model_state: Any = None, parts: int = 2
   ) -> ModelStats:
     """Reads the stats off the model's jaxpr.
 
@@ -119,9 +121,16 @@ class ModelStats:
     effort, as a model the pipeline cannot analyse may still suit other
     strategies: then those terms are left empty. The tensor-parallel terms
     come from `tensor_split.analyse` for a "model" axis of `parts`.
+
+    Args:
+      model: an `hk.Transformed` or `hk.TransformedWithState`.
+      sample_params: abstract params.
+      sample_inputs: abstract model inputs (a pytree of batch-leading values).
+      model_state: the state of a stateful model (arrays; default empty).
+      parts: the size of the "model" axis the tensor-parallel terms are for.
     """
-    apply = lambda p, x: model.apply(p, None, x)  # noqa: E731
-    batch = max(int(sample_inputs.shape[0]), 1)
+    apply = outputs_fn(as_stateful(model), model_state)
+    batch = max(int(jax.tree.leaves(sample_inputs)[0].shape[0]), 1)
     closed = jax.make_jaxpr(apply)(sample_params, sample_inputs)
     flops = sum(partition_lib._eqn_flops(eqn) for eqn in closed.jaxpr.eqns)  # noqa: SLF001
     leaves = jax.tree.leaves(sample_params)
@@ -313,13 +322,32 @@ class CostModel:
 
 
 def measure_memory(
-  trainer: Trainer, sample_inputs, batch: int, label_shape=(), label_dtype="int32"
+  trainer: Trainer,
+  sample_inputs,
+  batch: int,
+  label_shape=(),
+  label_dtype="int32",
+  sample_batch: Any = None,
 ):
-  """(peak bytes, state bytes) per device of `trainer`'s compiled step, allocating nothing."""
+  """(peak bytes, state bytes) per device of `trainer`'s compiled step, allocating nothing.
+
+  The step is lowered for a batch of `batch` rows shaped like `sample_batch`
+  (any pytree; needed with `model_inputs`), or else like `(inputs, labels)`
+  with inputs like `sample_inputs` and labels of `label_shape` and `label_dtype`.
+  """
   state = trainer.init_abstract(jax.random.key(0), sample_inputs)
-  images = jax.ShapeDtypeStruct((batch, *sample_inputs.shape[1:]), sample_inputs.dtype)
-  labels = jax.ShapeDtypeStruct((batch, *label_shape), label_dtype)
-  compiled = trainer.lower(state, (images, labels)).compile()
+  rows = lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype)  # noqa: E731
+  if sample_batch is not None:
+    abstract_batch = jax.tree.map(rows, sample_batch)
+  elif trainer.model_inputs is not None:
+    raise ValueError(
+      "With model_inputs, 'auto' needs the batch's layout: pass "
+      "trainer.init(rng, sample_inputs, sample_batch=...)."
+    )
+  else:
+    labels = jax.ShapeDtypeStruct((batch, *label_shape), label_dtype)
+    abstract_batch = (jax.tree.map(rows, sample_inputs), labels)
+  compiled = trainer.lower(state, abstract_batch).compile()
   memory = compiled.memory_analysis()
   peak = (
     memory.argument_size_in_bytes
@@ -412,9 +440,11 @@ class Auto(Strategy):
       trainer.optimizer,
       sample_inputs,
       loss_fn=trainer.loss_fn,
+      model_inputs=trainer.model_inputs,
       precision=trainer.policy,
       accumulate=trainer.accumulate,
       skip_nonfinite=trainer.skip_nonfinite,
+      sample_batch=trainer.sample_batch,
     )
     trainer.choice = choice
     if self.verbose:
@@ -425,11 +455,12 @@ class Auto(Strategy):
     """Measures and ranks the candidates for `model`; see the class docstring.
 
     Args:
-      model: an `hk.Transformed`.
+      model: an `hk.Transformed` or `hk.TransformedWithState`.
       optimizer: an optax optimizer.
-      sample_inputs: example inputs `[B, ...]` (B is the batch size unless
-        `batch_size` is set).
-      **trainer_options: `loss_fn`, `precision`, `accumulate`, as for the trainer.
+      sample_inputs: example model inputs, a pytree of `[B, ...]` arrays (B is
+        the batch size unless `batch_size` is set).
+      **trainer_options: `loss_fn`, `model_inputs`, `precision`, `accumulate`,
+        as for the trainer, and `sample_batch` as for `init`.
 
     Returns:
       A `Choice`: the winning strategy, the ranked candidates and the reason.
@@ -447,9 +478,11 @@ class Auto(Strategy):
     sample_inputs,
     *,
     loss_fn=None,
+    model_inputs=None,
     precision: Any = None,
     accumulate: int = 1,
     skip_nonfinite: bool = False,
+    sample_batch: Any = None,
   ) -> list[Candidate]:
     """Builds, compiles and estimates every candidate; `rank` then picks one.
 
@@ -457,15 +490,24 @@ class Auto(Strategy):
     that does not split) come back with `problem` saying why.
     """
     devices = available_devices(self.devices)
-    batch = self.batch_size or int(sample_inputs.shape[0])
-    sample = np.zeros((1, *sample_inputs.shape[1:]), sample_inputs.dtype)
-    abstract_params = jax.eval_shape(model.init, jax.random.key(0), sample)
-    batch_inputs = jax.ShapeDtypeStruct((batch, *sample.shape[1:]), sample.dtype)
+    batch = self.batch_size or int(jax.tree.leaves(sample_inputs)[0].shape[0])
+    sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
+    abstract_params, abstract_state = jax.eval_shape(
+      as_stateful(model).init, jax.random.key(0), sample
+    )
+    batch_inputs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype), sample
+    )
+    model_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
     stats_for = functools.cache(
-      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, parts)
+      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, model_state, parts)
     )
     options = dict(
-      loss_fn=loss_fn, precision=precision, accumulate=accumulate, skip_nonfinite=skip_nonfinite
+      loss_fn=loss_fn,
+      model_inputs=model_inputs,
+      precision=precision,
+      accumulate=accumulate,
+      skip_nonfinite=skip_nonfinite,
     )
     measured = []
     for name in self.candidates or registry.available():
@@ -480,7 +522,12 @@ class Auto(Strategy):
           try:
             trainer = strategy(model, optimizer, **options)
             peak, state_bytes = measure_memory(
-              trainer, sample, batch, label_shape=self.label_shape, label_dtype=self.label_dtype
+              trainer,
+              sample,
+              batch,
+              label_shape=self.label_shape,
+              label_dtype=self.label_dtype,
+              sample_batch=sample_batch,
             )
           except Exception as e:  # noqa: BLE001 - reported in the table, not fatal
             # Layout errors (a mesh the model cannot use, a batch that does not

@@ -16,7 +16,8 @@ class Checkpointer:
   """Saves and restores training state every `save_every` steps, keeping the last `keep`.
 
   What is saved: the step, the params in the model's own Haiku layout, the
-  optimizer state laid out as `optimizer.init(params)` would, and a small JSON
+  optimizer state laid out as `optimizer.init(params)` would, the training key
+  and the model's state (`trainer.export_state`), and a small JSON
   record (e.g. the data position and the seed). Because nothing in it depends
   on the strategy, a checkpoint written under one strategy and mesh restores
   under any other, and a user can read it with plain orbax. Orbax writes each

@@ -17,6 +17,7 @@ from parstrat._src.strategy import Params
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import build_mesh
+from parstrat._src.strategy import model_loss
 
 DATA = "data"
 
@@ -48,6 +49,14 @@ class DataParallel(Strategy):
   applies the same optimizer update, so all replicas stay identical and the
   run matches single-device training on the whole batch.
 
+  A model that draws randomness gets, on each device, the step's key folded
+  with the device's index along "data" (so its dropout masks differ from one
+  device's on the whole batch; with rate 0 the run is identical). A model's
+  state (`hk.transform_with_state`) is updated by each device from its own
+  block and then averaged over "data" (`pmean`; integer leaves: the floor of
+  the mean): exact for a state that is an affine function of batch means,
+  while BatchNorm's statistics become the mean of the per-device statistics.
+
   Args:
     data: the number of devices on the "data" axis (default: all devices).
     devices: the devices to use (default: `jax.devices()`).
@@ -63,28 +72,31 @@ class DataParallel(Strategy):
 
   data: int | None = None
   axis_names = (DATA,)
+  supports_rng = True
+  supports_state = True
 
   def make_mesh(self) -> Mesh:
     return build_mesh({DATA: self.data}, self.devices)
 
   def make_plan(
     self,
-    model: hk.Transformed,
+    model: hk.TransformedWithState,
     loss_fn: LossFn,
     mesh: Mesh,
     sample_params: Params,
-    sample_inputs: jax.ShapeDtypeStruct,
+    sample_inputs: Any,
   ) -> Plan:
     del mesh, sample_params, sample_inputs
+    local_loss = jax.value_and_grad(model_loss(model, loss_fn), has_aux=True)
 
-    def local_loss(params, inputs, labels):
-      return loss_fn(model.apply(params, None, inputs), labels)
+    def loss_and_grad(params, inputs, targets, rng, model_state):  # this device's own
+      (loss, model_state), grads = local_loss(
+        local_values(params, DATA), inputs, targets, rng, model_state
+      )
+      return loss, grads, model_state
 
-    def loss_and_grad(params, inputs, labels):  # this device's own loss and gradients
-      return jax.value_and_grad(local_loss)(local_values(params, DATA), inputs, labels)
-
-    def forward(params, inputs):
-      return model.apply(params, None, inputs)
+    def forward(params, inputs, rng, model_state):
+      return model.apply(params, model_state, rng, inputs)[0]
 
     return Plan(
       param_spec=P(),

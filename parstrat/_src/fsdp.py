@@ -29,6 +29,11 @@ class FSDP(Strategy):
   each weight just before it is used and reduce-scatters its gradient, so each
   device holds about 1/N of the parameters and optimizer state.
 
+  Written on global arrays, a model's randomness (one key for the whole
+  batch) and state (updated from the whole batch) are exactly as on one
+  device (with `accumulate=k`: a key per microstep, and the mean of the k
+  states).
+
   `zero` picks how much is sharded (the ZeRO stages):
 
   * 3 (default): params, gradients and optimizer state (all-gather params in
@@ -58,6 +63,8 @@ class FSDP(Strategy):
   data: int | None = None
   zero: int = 3
   axis_names = (DATA,)
+  supports_rng = True
+  supports_state = True
 
   def __post_init__(self):
     if isinstance(self.zero, bool) or self.zero not in (1, 2, 3):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import haiku as hk
 import jax
@@ -29,6 +30,7 @@ from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import available_devices
 from parstrat._src.strategy import build_mesh
+from parstrat._src.strategy import outputs_fn
 
 STAGE = "stage"
 MODEL = "model"
@@ -41,10 +43,10 @@ def default_split(num_devices: int) -> tuple[int, int]:
 
 
 def make_pipeline_plan(
-  model: hk.Transformed,
+  model: hk.TransformedWithState,
   loss_fn: LossFn,
   sample_params: Params,
-  sample_inputs: jax.ShapeDtypeStruct,
+  sample_inputs: Any,
   *,
   stages: int,
   microbatches: int,
@@ -69,8 +71,9 @@ def make_pipeline_plan(
   _check_positive("microbatches", microbatches)
   sched = schedule_lib.build_schedule(schedule, stages, microbatches)
 
-  def apply(params, x):
-    return model.apply(params, None, x)
+  # The trainer refuses models with state or randomness for the pipeline, so
+  # the model's outputs are a function of the params and inputs alone.
+  apply = outputs_fn(model)
 
   stage_plan = partition_lib.plan_stages(
     apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
@@ -91,34 +94,38 @@ def make_pipeline_plan(
     layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
 
   @functools.cache
-  def staged_for(shape: tuple[int, ...], dtype) -> engine.StagedModel:
-    prog = partition_lib.stage_program(
-      apply, sample_params, jax.ShapeDtypeStruct(shape, dtype), stage_plan
-    )
+  def staged_for(treedef, leaves: tuple[tuple[tuple[int, ...], Any], ...]) -> engine.StagedModel:
+    abstract = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(*leaf) for leaf in leaves])
+    prog = partition_lib.stage_program(apply, sample_params, abstract, stage_plan)
     width = max(partition_lib.flat_width(b) for b in prog.boundaries[1:])
     return engine.StagedModel(layout, prog, width, loss_fn)
 
   def microbatch_model(inputs) -> engine.StagedModel:
-    return staged_for((inputs.shape[0] // microbatches, *inputs.shape[1:]), inputs.dtype)
+    """The model cut for one microbatch of `inputs` (any pytree of `[B, ...]` leaves)."""
+    leaves, treedef = jax.tree.flatten(inputs)
+    shapes = tuple(((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves)
+    return staged_for(treedef, shapes)
 
   # Each device's block of the stored buffers has a leading stage axis of 1.
   def row_of(stored):
     return jax.tree.map(lambda x: x[0], stored)
 
-  def loss_and_grad(stored, inputs, labels):
+  def loss_and_grad(stored, inputs, targets, rng, model_state):
+    del rng  # None: refused by the trainer (no supports_rng)
     loss, grads = engine.pipeline_loss_and_grad(
       microbatch_model(inputs),
       sched,
       row_of(stored),
       inputs,
-      labels,
+      targets,
       stage_axis=STAGE,
       bubble_value=bubble_value,
     )
     # This replica's loss and gradients; `reduce` averages them over "data".
-    return loss, jax.tree.map(lambda g: g[None], grads)
+    return loss, jax.tree.map(lambda g: g[None], grads), model_state
 
-  def forward(stored, inputs):
+  def forward(stored, inputs, rng, model_state):
+    del rng, model_state  # none: refused by the trainer
     return engine.pipeline_forward(
       microbatch_model(inputs), microbatches, row_of(stored), inputs, stage_axis=STAGE
     )
@@ -173,8 +180,9 @@ def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
   manual_axes = frozenset({DATA, STAGE})
   row_spec = (P(STAGE), P(STAGE))
 
-  def local_loss_and_grad(stored, inputs, labels):
-    return plan.reduce(plan.loss_and_grad(stored, inputs, labels))
+  def local_loss_and_grad(stored, inputs, targets):
+    loss, grads, _ = plan.loss_and_grad(stored, inputs, targets, None, {})
+    return plan.reduce((loss, grads))
 
   grad_fn = jax.shard_map(
     local_loss_and_grad,
@@ -185,7 +193,7 @@ def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
     check_vma=False,
   )
   forward_fn = jax.shard_map(
-    plan.forward,
+    lambda stored, inputs: plan.forward(stored, inputs, None, {}),
     mesh=mesh,
     in_specs=(row_spec, P(DATA)),
     out_specs=P(DATA),
@@ -195,11 +203,13 @@ def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
   param_spec = (P(STAGE, MODEL), P(STAGE))
   param_shardings = tuple(NamedSharding(mesh, spec) for spec in param_spec)
 
-  def global_loss_and_grad(stored, inputs, labels):
+  def global_loss_and_grad(stored, inputs, targets, rng, model_state):
+    del rng  # None: refused by the trainer
     stored = jax.lax.with_sharding_constraint(stored, param_shardings)
-    return grad_fn(stored, inputs, labels)
+    return (*grad_fn(stored, inputs, targets), model_state)
 
-  def global_forward(stored, inputs):
+  def global_forward(stored, inputs, rng, model_state):
+    del rng, model_state  # none: refused by the trainer
     return forward_fn(jax.lax.with_sharding_constraint(stored, param_shardings), inputs)
 
   return dataclasses.replace(

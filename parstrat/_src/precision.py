@@ -79,13 +79,28 @@ def resolve_policy(precision: Any) -> jmp.Policy | None:
   return policy
 
 
-def with_policy(model: hk.Transformed, policy: jmp.Policy | None) -> hk.Transformed:
+def with_policy(model: Any, policy: jmp.Policy | None) -> Any:
   """`model` with `policy` applied around `apply` (params and inputs cast in, output out).
 
-  Only the `init`/`apply` contract is used, so any model with that contract works.
+  Only the `init`/`apply` contract is used, so any model with that contract
+  works; an `hk.TransformedWithState` stays one (its state is not cast), and
+  integer inputs (token ids) are left as they are.
   """
   if policy is None:
     return model
+  if isinstance(model, hk.TransformedWithState):
+
+    def init_with_state(rng, inputs):
+      params, state = model.init(rng, inputs)
+      return policy.cast_to_param(params), state
+
+    def apply_with_state(params, state, rng, inputs):
+      outputs, state = model.apply(
+        policy.cast_to_compute(params), state, rng, policy.cast_to_compute(inputs)
+      )
+      return policy.cast_to_output(outputs), state
+
+    return hk.TransformedWithState(init=init_with_state, apply=apply_with_state)
 
   def init(rng, inputs):
     return policy.cast_to_param(model.init(rng, inputs))

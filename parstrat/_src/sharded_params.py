@@ -15,16 +15,26 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src.strategy import Plan
+from parstrat._src.strategy import model_loss
 
 
 def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str) -> Plan:
   """A plan on global arrays: the model's own layout, sharded by `param_spec`.
 
   The loss and gradients are written as for one device; XLA partitions them.
+  So a model that draws randomness gets the step's one key for the whole
+  global batch (JAX's partitionable threefry draws the same values however
+  the batch is laid out), and its state is updated from the whole batch:
+  both exactly as on one device.
   """
+  loss = jax.value_and_grad(model_loss(model, loss_fn), has_aux=True)
 
-  def loss_and_grad(params, inputs, labels):
-    return jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, inputs), labels))(params)
+  def loss_and_grad(params, inputs, targets, rng, model_state):
+    (value, model_state), grads = loss(params, inputs, targets, rng, model_state)
+    return value, grads, model_state
+
+  def forward(params, inputs, rng, model_state):
+    return model.apply(params, model_state, rng, inputs)[0]
 
   return Plan(
     param_spec=param_spec,
@@ -32,7 +42,7 @@ def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str
     to_stored=lambda params: params,
     to_params=lambda stored: stored,
     loss_and_grad=loss_and_grad,
-    forward=lambda params, inputs: model.apply(params, None, inputs),
+    forward=forward,
     manual=False,
     description=description,
   )

@@ -23,7 +23,6 @@ from typing import Any
 from typing import ClassVar
 from typing import NamedTuple
 
-import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -39,8 +38,11 @@ from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
 
 Params = Any  # a pytree in the model's own (Haiku) layout
-LossFn = Callable[[jax.Array, jax.Array], jax.Array]
-Batch = tuple[Any, Any]
+#: `(outputs, labels) -> scalar` for `(inputs, labels)` batches, or
+#: `(outputs, batch) -> scalar` when the strategy is called with `model_inputs`.
+LossFn = Callable[[Any, Any], jax.Array]
+#: A pytree of arrays whose leaves share their leading (batch) axis.
+Batch = Any
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -64,11 +66,18 @@ class TrainState(NamedTuple):
     params: the parameters in the strategy's storage layout (use
       `trainer.params(state)` for the model's own layout).
     opt_state: the optax state of `params`, sharded like them.
+    rng: the training key's raw data (`jax.random.key_data`, replicated). It
+      never changes: step `t` draws from `jax.random.fold_in(key, t)`, so a
+      restored state draws the same randomness as the run it came from.
+    model_state: the Haiku state of an `hk.transform_with_state` model (e.g.
+      BatchNorm's moving averages), replicated; `{}` for `hk.transform` models.
   """
 
   step: jax.Array
   params: Any
   opt_state: optax.OptState
+  rng: jax.Array
+  model_state: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,18 +87,31 @@ class Plan:
   A `Plan` is built by `Strategy.make_plan` once the parameter shapes are known.
   Every function in it is pure and traceable.
 
+  The `model` a plan gets from `make_plan` follows Haiku's stateful contract,
+  `model.apply(params, model_state, rng, inputs) -> (outputs, model_state)`,
+  whatever the user passed (an `hk.transform` model gets an empty state).
+  `inputs` (the model's inputs) and `targets` (what the loss takes besides the
+  outputs: the labels of an `(inputs, labels)` batch, else the whole batch) are
+  pytrees whose leaves share the leading batch axis; `rng` is a PRNG key, or
+  None when the model draws no randomness. The trainer derives the keys (one
+  per device along the batch axes and per accumulation microstep) and averages
+  the returned model state over the batch's pieces, so a plan only passes
+  `rng` and `model_state` on to `model.apply`.
+
   Attributes:
     param_spec: `PartitionSpec` (or a pytree prefix of them) of the stored params.
     batch_spec: `PartitionSpec` of the batch's leading axis.
     to_stored: maps params in the model's layout to the stored layout.
     to_params: the inverse of `to_stored`.
-    loss_and_grad: `(stored, inputs, labels) -> (loss, grads)` for one device, run
-      under `jax.shard_map` over the whole mesh. `stored`, `inputs` and `labels`
-      are the device's blocks. It returns the global mean loss and the gradients
-      of it (already reduced over every axis the batch is split on), shaped and
-      sharded like `stored`.
-    forward: `(stored, inputs) -> logits` for one device, under `jax.shard_map`;
-      the logits are split like the inputs.
+    loss_and_grad: `(stored, inputs, targets, rng, model_state) -> (loss, grads,
+      model_state)` for one device, run under `jax.shard_map` over the whole
+      mesh. `stored`, `inputs` and `targets` are the device's blocks. It
+      returns the global mean loss and the gradients of it (already reduced
+      over every axis the batch is split on), shaped and sharded like
+      `stored`, and the model state the model returned (this device's).
+    forward: `(stored, inputs, rng, model_state) -> outputs` for one device,
+      under `jax.shard_map`; the outputs (any pytree of batch-leading arrays)
+      are split like the inputs.
     batch_multiple: the per-device batch must be a multiple of this (e.g. the
       number of pipeline microbatches).
     description: a human-readable account of the layout (e.g. a stage table).
@@ -119,8 +141,8 @@ class Plan:
   batch_spec: P
   to_stored: Callable[[Params], Any]
   to_params: Callable[[Any], Params]
-  loss_and_grad: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
-  forward: Callable[[Any, jax.Array], jax.Array]
+  loss_and_grad: Callable[[Any, Any, Any, Any, Any], tuple[jax.Array, Any, Any]]
+  forward: Callable[[Any, Any, Any, Any], Any]
   batch_multiple: int = 1
   description: str = ""
   check_vma: bool = True
@@ -128,6 +150,49 @@ class Plan:
   reduce: Callable[[tuple[jax.Array, Any]], tuple[jax.Array, Any]] | None = None
   grad_spec: Any = None
   opt_spec: Any = None
+
+
+def model_loss(model: hk.TransformedWithState, loss_fn: LossFn) -> Callable[..., Any]:
+  """`(params, inputs, targets, rng, model_state) -> (loss, model_state)` of one (micro)batch.
+
+  The building block of a plan's `loss_and_grad`:
+  `jax.value_and_grad(model_loss(model, loss_fn), has_aux=True)`.
+  """
+
+  def loss(params, inputs, targets, rng, model_state):
+    outputs, model_state = model.apply(params, model_state, rng, inputs)
+    return loss_fn(outputs, targets), model_state
+
+  return loss
+
+
+def outputs_fn(model: hk.TransformedWithState, model_state: Any = None) -> Callable[..., Any]:
+  """`(params, inputs) -> outputs` of a stateful-contract `model`, for tracing analyses.
+
+  The model gets `model_state` (default: an empty state) and a fixed key, so a
+  model that draws randomness can still be traced (its layout analysis does
+  not depend on the key's value).
+  """
+  state = {} if model_state is None else model_state
+
+  def outputs(params, inputs):
+    return model.apply(params, state, jax.random.key(0), inputs)[0]
+
+  return outputs
+
+
+def as_stateful(model: Any) -> hk.TransformedWithState:
+  """`model` under Haiku's stateful contract (an `hk.transform` model gets an empty state)."""
+  if isinstance(model, hk.TransformedWithState):
+    return model
+
+  def init(rng, inputs):
+    return model.init(rng, inputs), {}
+
+  def apply(params, model_state, rng, inputs):
+    return model.apply(params, rng, inputs), model_state
+
+  return hk.TransformedWithState(init=init, apply=apply)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,6 +206,11 @@ class Strategy(abc.ABC):
     saying how params are stored (and sharded), how the batch is split, and how
     one device computes the loss and the *averaged* gradients with collectives
     over the mesh's axis names.
+
+  A strategy that can pass a PRNG key to the model (dropout) sets
+  `supports_rng = True`; one whose plan keeps a model state correct sets
+  `supports_state = True`. Otherwise the trainer refuses such models at `init`
+  with a message naming the strategy.
 
   Calling a strategy with a Haiku model and an optax optimizer returns a
   `Trainer`; the trainer, not the strategy, holds anything model-specific.
@@ -165,6 +235,12 @@ class Strategy(abc.ABC):
   #: Names of the mesh axes this strategy uses, in order.
   axis_names: ClassVar[tuple[str, ...]] = ()
 
+  #: Whether its plan trains models that call `hk.next_rng_key()` (e.g. dropout).
+  supports_rng: ClassVar[bool] = False
+
+  #: Whether its plan trains `hk.transform_with_state` models (e.g. BatchNorm).
+  supports_state: ClassVar[bool] = False
+
   @abc.abstractmethod
   def make_mesh(self) -> Mesh:
     """Returns the mesh this strategy runs on.
@@ -185,32 +261,49 @@ class Strategy(abc.ABC):
     """Returns the `Plan` for `model` on `mesh`.
 
     Args:
-      model: the user's Haiku model (only `init` and `apply` are used).
-      loss_fn: `(logits, labels) -> scalar` mean loss over examples.
+      model: the user's Haiku model under the stateful contract,
+        `apply(params, model_state, rng, inputs) -> (outputs, model_state)`
+        (only `init` and `apply` are used).
+      loss_fn: `(outputs, targets) -> scalar` mean loss over examples.
       mesh: the mesh from `make_mesh`.
       sample_params: abstract params (`jax.ShapeDtypeStruct` leaves).
-      sample_inputs: abstract inputs of one example batch (any batch size).
+      sample_inputs: abstract model inputs of one example batch (any batch
+        size): a pytree of `jax.ShapeDtypeStruct`s sharing the leading axis.
     """
 
   def __call__(
     self,
-    model: hk.Transformed,
+    model: hk.Transformed | hk.TransformedWithState,
     optimizer: optax.GradientTransformation,
     *,
     loss_fn: LossFn | None = None,
+    model_inputs: Callable[[Batch], Any] | None = None,
     skip_nonfinite: bool = False,
     precision: Any = None,
     accumulate: int = 1,
   ) -> Trainer:
     """Wraps `model` and `optimizer` into a `Trainer` on this strategy's mesh.
 
+    Batches: without `model_inputs`, a batch is a pair `(inputs, labels)`, the
+    model gets `inputs` and the loss `loss_fn(outputs, labels)`. With
+    `model_inputs`, a batch is any pytree (e.g. `{"tokens": ..., "targets":
+    ...}`), the model gets `model_inputs(batch)` and the loss
+    `loss_fn(outputs, batch)`. Either way every leaf of the batch (and of the
+    inputs) shares the leading batch axis, which the strategy splits.
+
     Args:
-      model: an `hk.Transformed` (e.g. from `hk.transform`); `apply` is called
-        with `rng=None`, so the model must not need randomness.
+      model: an `hk.Transformed` or `hk.TransformedWithState` (its state, e.g.
+        BatchNorm's, is kept in `TrainState.model_state`; strategies with
+        `supports_state`). A model that calls `hk.next_rng_key()` gets a key
+        per step (strategies with `supports_rng`).
       optimizer: any `optax.GradientTransformation`.
-      loss_fn: `(logits, labels) -> scalar`, a *mean* over examples (it is
-        averaged over devices and microbatches). Default: softmax
-        cross-entropy on integer labels.
+      loss_fn: `(outputs, labels) -> scalar`, or `(outputs, batch) -> scalar`
+        with `model_inputs`; a *mean* over examples (it is averaged over
+        devices and microbatches). Default: softmax cross-entropy on integer
+        labels (for `(inputs, labels)` batches only).
+      model_inputs: `batch -> inputs`, run inside the compiled step on the
+        global batch; every leaf it returns must keep the batch axis (e.g.
+        `lambda batch: batch["tokens"]`). None: batches are `(inputs, labels)`.
       skip_nonfinite: when the loss or the gradient norm of a step is NaN or
         infinite, keep the previous params and optimizer state (and step
         count); `metrics["finite"]` says whether the update was applied.
@@ -228,7 +321,8 @@ class Strategy(abc.ABC):
       A `Trainer`.
 
     Raises:
-      TypeError: if `model`, `optimizer` or `loss_fn` are of the wrong kind.
+      TypeError: if `model`, `optimizer`, `loss_fn` or `model_inputs` are of
+        the wrong kind, or `model_inputs` is given without a `loss_fn`.
       ValueError: if the mesh does not fit the available devices, or
         `precision` or `accumulate` is invalid.
     """
@@ -237,12 +331,13 @@ class Strategy(abc.ABC):
       model,
       optimizer,
       loss_fn=loss_fn,
+      model_inputs=model_inputs,
       skip_nonfinite=skip_nonfinite,
       precision=precision,
       accumulate=accumulate,
     )
 
-  def resolve(self, trainer: Trainer, sample_inputs: jax.Array) -> Strategy:
+  def resolve(self, trainer: Trainer, sample_inputs: Any) -> Strategy:
     """The concrete strategy to run; `self` except for strategies that choose at `init`.
 
     `parstrat.Auto` overrides it to pick a strategy once the model's shapes
@@ -369,14 +464,10 @@ def build_mesh(
 
 
 def _check_model(model: Any) -> None:
-  if isinstance(model, hk.TransformedWithState):
-    raise TypeError(
-      "parstrat trains stateless models: got an hk.TransformedWithState "
-      "(from hk.transform_with_state); use hk.transform."
-    )
   if not (callable(getattr(model, "init", None)) and callable(getattr(model, "apply", None))):
     raise TypeError(
-      f"The model must be an hk.Transformed (from hk.transform), got {type(model).__name__}."
+      "The model must be an hk.Transformed or hk.TransformedWithState (from hk.transform or "
+      f"hk.transform_with_state), got {type(model).__name__}."
     )
 
 
@@ -410,10 +501,11 @@ class Trainer:
   def __init__(
     self,
     strategy: Strategy,
-    model: hk.Transformed,
+    model: hk.Transformed | hk.TransformedWithState,
     optimizer: optax.GradientTransformation,
     *,
     loss_fn: LossFn | None = None,
+    model_inputs: Callable[[Batch], Any] | None = None,
     skip_nonfinite: bool = False,
     precision: Any = None,
     accumulate: int = 1,
@@ -421,7 +513,14 @@ class Trainer:
     _check_model(model)
     _check_optimizer(optimizer)
     if loss_fn is not None and not callable(loss_fn):
-      raise TypeError(f"loss_fn must be callable (logits, labels) -> scalar, got {loss_fn!r}.")
+      raise TypeError(f"loss_fn must be callable (outputs, labels) -> scalar, got {loss_fn!r}.")
+    if model_inputs is not None and not callable(model_inputs):
+      raise TypeError(f"model_inputs must be callable batch -> inputs, got {model_inputs!r}.")
+    if model_inputs is not None and loss_fn is None:
+      raise TypeError(
+        "With model_inputs, the loss gets (outputs, batch): pass a loss_fn(outputs, batch) "
+        "-> scalar (the default loss takes (logits, labels) of an (inputs, labels) pair)."
+      )
     if isinstance(accumulate, bool) or not isinstance(accumulate, (int, np.integer)):
       raise TypeError(f"accumulate must be a positive integer, got {accumulate!r}.")
     if accumulate < 1:
@@ -433,19 +532,36 @@ class Trainer:
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
     self.uses_default_loss = loss_fn is None
+    #: `batch -> model inputs`, or None for `(inputs, labels)` batches.
+    self.model_inputs = model_inputs
     self.skip_nonfinite = bool(skip_nonfinite)
     #: For "auto": the `parstrat.Choice` made at `init` (None otherwise).
     self.choice = None
-    # What the plan sees: the user's model with the precision policy around `apply`.
-    self._plan_model = precision_lib.with_policy(model, self.policy)
+    #: Whether the model calls `hk.next_rng_key()` (known after `init`).
+    self.uses_rng = False
+    # The user's model with the precision policy around `apply` (same kind as `model`),
+    # and what the plan sees: that model under Haiku's stateful contract.
+    self._policy_model = precision_lib.with_policy(model, self.policy)
+    self._plan_model = as_stateful(self._policy_model)
     # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
     self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
     self._plan: Plan | None = None
-    self._input_shape: tuple[int, ...] | None = None
+    self._input_spec: Any = None  # per-example ShapeDtypeStructs of the model inputs
+    self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
+    #: The `sample_batch` given to `init`, as `jax.ShapeDtypeStruct`s (or None).
+    self.sample_batch: Any = None
+    self._rng_impl = None
 
   def __repr__(self) -> str:
     mesh = "chosen at init" if self.mesh is None else dict(self.mesh.shape)
     return f"Trainer({self.strategy!r}, mesh={mesh})"
+
+  # ----------------------------------------------------------------- batches
+  def _inputs_of(self, batch: Batch) -> Any:
+    return batch[0] if self.model_inputs is None else self.model_inputs(batch)
+
+  def _targets_of(self, batch: Batch) -> Any:
+    return batch[1] if self.model_inputs is None else batch
 
   # ----------------------------------------------------------------- plan
   @property
@@ -467,43 +583,59 @@ class Trainer:
     return NamedSharding(self.mesh, P())
 
   # ----------------------------------------------------------------- init
-  def init(self, rng: jax.Array, sample_inputs: Any) -> TrainState:
-    """Initialises params and optimizer state, placed on the mesh.
+  def init(self, rng: jax.Array, sample_inputs: Any, *, sample_batch: Batch = None) -> TrainState:
+    """Initialises params, optimizer state and model state, placed on the mesh.
 
     Args:
-      rng: a JAX PRNG key (`jax.random.key(seed)`).
-      sample_inputs: example inputs `[B, ...]` of any batch size `B >= 1`; their
-        per-example shape and dtype are what `step` and `apply` will accept.
+      rng: a JAX PRNG key (`jax.random.key(seed)`): it initialises the params,
+        and `jax.random.fold_in(rng, 1)` becomes the training key
+        (`TrainState.rng`).
+      sample_inputs: example model inputs, any pytree of arrays (float or
+        integer) sharing a leading batch axis of any size `B >= 1`; the
+        per-example shape and dtype of every leaf are what `apply` (and the
+        model inputs of every batch) must match.
+      sample_batch: optional example batch (any batch size): fixes the
+        structure, per-example shapes and dtypes every `step` batch must
+        have. Default: the first batch given to `step` (or `lower`) fixes them.
 
     Returns:
       A `TrainState` whose arrays carry the strategy's shardings.
 
     Raises:
-      TypeError, ValueError: for inputs that are not a float array with a batch
-        axis, or a model that the strategy cannot lay out.
+      TypeError, ValueError: for inputs that are not arrays with a shared batch
+        axis, or a model that the strategy cannot lay out (e.g. one that draws
+        randomness or keeps state under a strategy that does not support it).
     """
     sample = self._check_sample(rng, sample_inputs)
+    if sample_batch is not None:
+      sample_batch = self._as_batch(sample_batch, abstract=True)
+      self.sample_batch = _abstract(sample_batch)
     if self.strategy.deferred:  # e.g. "auto": choose now that the shapes are known
       chosen = self.strategy.resolve(self, sample)
       self.strategy, self.mesh = chosen, chosen.make_mesh()
-    abstract_inputs = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
-    model = self._plan_model
-    plan, layout = self._layout(rng, abstract_inputs)
+    plan, layout, uses_rng = self._layout(rng, _abstract(sample))
     shardings = jax.tree.map(lambda x: x.sharding, layout)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
     # the (slow to compile) initialiser; the re-layout is a program of its own.
+    init_fn = self._policy_model.init
     if jax.process_count() == 1:
-      params = jax.jit(model.init)(rng, sample)
+      initialised = jax.jit(init_fn)(rng, sample)
     else:  # every process computes the same replicated params on the global mesh
-      params = jax.jit(model.init, out_shardings=self._replicated)(rng, sample)
+      initialised = jax.jit(init_fn, out_shardings=self._replicated)(rng, sample)
+    stateful = isinstance(self._policy_model, hk.TransformedWithState)
+    params, model_state = initialised if stateful else (initialised, {})
     stored = jax.jit(plan.to_stored, out_shardings=shardings.params)(params)
     opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(stored)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-    state = TrainState(step=step, params=stored, opt_state=opt_state)
-    self._commit(plan, sample.shape, state)
+    train_rng = jax.device_put(_training_key_data(rng), shardings.rng)
+    model_state = jax.device_put(model_state, shardings.model_state)
+    state = TrainState(step, stored, opt_state, train_rng, model_state)
+    self._commit(plan, sample, state, uses_rng, rng, sample_batch)
     return state
 
-  def init_abstract(self, rng: jax.Array, sample_inputs: Any) -> TrainState:
+  def init_abstract(
+    self, rng: jax.Array, sample_inputs: Any, *, sample_batch: Batch = None
+  ) -> TrainState:
     """Like `init`, but returns `jax.ShapeDtypeStruct`s carrying the shardings.
 
     Nothing is computed or allocated, so a model too big for the devices can
@@ -511,18 +643,33 @@ class Trainer:
     read the compiled memory analysis; this is how "auto" measures candidates.
     """
     sample = self._check_sample(rng, sample_inputs)
+    if sample_batch is not None:
+      sample_batch = self._as_batch(sample_batch, abstract=True)
     if self.strategy.deferred:
       raise ValueError("init_abstract needs a concrete strategy; call init for 'auto'.")
-    plan, state = self._layout(rng, jax.ShapeDtypeStruct(sample.shape, sample.dtype))
-    self._commit(plan, sample.shape, state)
+    plan, state, uses_rng = self._layout(rng, _abstract(sample))
+    self._commit(plan, sample, state, uses_rng, rng, sample_batch)
     return state
 
-  def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState]:
-    """The plan, and the state as `ShapeDtypeStruct`s with their shardings."""
+  def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState, bool]:
+    """The plan, the state as `ShapeDtypeStruct`s with their shardings, and rng use."""
     model = self._plan_model
-    abstract_params = jax.eval_shape(model.init, rng, abstract_inputs)
-    plan = self.strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
-    optimizer_probe.check_layout(self.optimizer, plan, abstract_params, self.strategy)
+    abstract_params, abstract_model_state = jax.eval_shape(model.init, rng, abstract_inputs)
+    uses_rng = _reads_rng(model, abstract_params, abstract_model_state, abstract_inputs)
+    strategy = self.strategy
+    if uses_rng and not strategy.supports_rng:
+      raise ValueError(
+        f"{strategy!r} cannot train a model that calls hk.next_rng_key() (e.g. dropout): "
+        "its layout does not pass a PRNG key to the model. Use data_parallel, fsdp or tensor."
+      )
+    if jax.tree.leaves(abstract_model_state) and not strategy.supports_state:
+      raise ValueError(
+        f"{strategy!r} cannot train a model with state (hk.transform_with_state, e.g. "
+        f"BatchNorm; state {sorted(abstract_model_state)}): its layout does not keep the "
+        "state. Use data_parallel or fsdp."
+      )
+    plan = strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
+    optimizer_probe.check_layout(self.optimizer, plan, abstract_params, strategy)
     param_shardings = self._shardings(plan.param_spec)
     stored = jax.eval_shape(plan.to_stored, abstract_params)
     opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)
@@ -537,31 +684,41 @@ class Trainer:
       transform_non_params=lambda _: self._replicated,
     )
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    replicated = lambda x: with_sharding(x, self._replicated)  # noqa: E731
     state = TrainState(
       jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
       jax.tree.map(with_sharding, stored, jax.tree.broadcast(param_shardings, stored)),
       jax.tree.map(with_sharding, abstract_opt, opt_shardings),
+      replicated(jax.eval_shape(_training_key_data, rng)),
+      jax.tree.map(replicated, abstract_model_state),
     )
-    return plan, state
+    return plan, state, uses_rng
 
   def _check_sample(self, rng: jax.Array, sample_inputs: Any):
     if not _is_prng_key(rng):
       raise TypeError(
         f"rng must be a JAX PRNG key (e.g. jax.random.key(0)), got {type(rng).__name__} {rng!r}."
       )
-    sample = _as_array("sample_inputs", sample_inputs)
-    if sample.ndim < 1 or sample.shape[0] < 1:
+    sample = _arrays("sample_inputs", sample_inputs)
+    rows = _batch_size("sample_inputs", sample)
+    if rows < 1:
+      shapes = [tuple(x.shape) for x in jax.tree.leaves(sample)]
       raise ValueError(
-        f"sample_inputs needs a leading batch axis of size >= 1, got shape {sample.shape}."
+        f"sample_inputs needs a leading batch axis of size >= 1, got shape "
+        f"{shapes[0] if len(shapes) == 1 else shapes}."
       )
-    if not jnp.issubdtype(sample.dtype, jnp.floating):
-      raise TypeError(f"sample_inputs must be floating point, got dtype {sample.dtype}.")
     return sample
 
-  def _commit(self, plan: Plan, sample_shape, state: TrainState) -> None:
+  def _commit(self, plan, sample, state, uses_rng, rng, sample_batch) -> None:
     """Adopts a new layout (only once everything is built: no half state on failure)."""
+    if sample_batch is not None:  # checked against the new layout before anything changes
+      self._check_first_batch(sample_batch, _per_example(sample))
     self._plan = plan
-    self._input_shape = tuple(sample_shape[1:])
+    self.uses_rng = uses_rng
+    self._rng_impl = _key_impl(rng)
+    self._input_spec = _per_example(sample)
+    self._batch_spec = None if sample_batch is None else _per_example(sample_batch)
+    self._batch_source = "the sample_batch given to init"
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
@@ -570,24 +727,68 @@ class Trainer:
     self.__dict__.pop("_compiled_export", None)
 
   # ----------------------------------------------------------------- step
+  def _key(self, rng_data: jax.Array, index: jax.Array | None) -> jax.Array:
+    key = jax.random.wrap_key_data(rng_data, impl=self._rng_impl)
+    return key if index is None else jax.random.fold_in(key, index)
+
+  def _batch_axes(self) -> tuple[str, ...]:
+    spec = self.plan.batch_spec
+    axes = spec[0] if len(spec) else None
+    if axes is None:
+      return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+  def _device_key(self, key):
+    """Inside the map: `key` folded with this device's index along the batch axes."""
+    axes = self._batch_axes()
+    if key is None or not axes:
+      return key
+    index = 0
+    for axis in axes:
+      index = index * self.mesh.shape[axis] + jax.lax.axis_index(axis)
+    return jax.random.fold_in(key, index)
+
   @functools.cached_property
   def _compiled_step(self):
     plan = self.plan
     mesh = self.mesh
     param_spec = plan.param_spec
     accumulate = self.accumulate
+    axes = self._batch_axes()
+
+    def microsteps(loss_and_grad, params, model_state, key, inputs, targets, split):
+      """(loss, grads, model_state) averaged over `accumulate` microsteps."""
+      keys = None
+      if key is not None and accumulate > 1:
+        keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(accumulate))
+      elif key is not None:
+        keys = key[None]  # one microstep: the key itself
+
+      def run(params, inputs, targets, key):
+        return loss_and_grad(params, inputs, targets, key, model_state)
+
+      return accumulate_gradients(
+        run, params, jax.tree.map(split, inputs), jax.tree.map(split, targets), keys
+      )
+
     if plan.manual:
 
-      def per_device(params, inputs, labels):
+      def per_device(params, model_state, key, inputs, targets):
+        if plan.check_vma and axes:  # each device's own new state, averaged below
+          model_state = jax.lax.pcast(model_state, axes, to="varying")
         split = lambda x: x.reshape(accumulate, -1, *x.shape[1:])  # noqa: E731
-        loss, grads = accumulate_gradients(plan.loss_and_grad, params, split(inputs), split(labels))
-        return (loss, grads) if plan.reduce is None else plan.reduce((loss, grads))
+        loss, grads, model_state = microsteps(
+          plan.loss_and_grad, params, model_state, self._device_key(key), inputs, targets, split
+        )
+        if plan.reduce is not None:
+          loss, grads = plan.reduce((loss, grads))
+        return loss, grads, _mean_over(model_state, axes, mesh)
 
       grad_fn = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(param_spec, plan.batch_spec, plan.batch_spec),
-        out_specs=(P(), param_spec),
+        in_specs=(param_spec, P(), P(), plan.batch_spec, plan.batch_spec),
+        out_specs=(P(), param_spec, P()),
         check_vma=plan.check_vma,
       )
     else:  # global arrays; XLA's partitioner adds the collectives the shardings imply
@@ -601,26 +802,30 @@ class Trainer:
         x = x.reshape(accumulate, -1, *x.shape[3:])
         return jax.lax.with_sharding_constraint(x, micro_sharding)
 
-      def grad_fn(params, inputs, labels):
+      def grad_fn(params, model_state, key, inputs, targets):
         if accumulate == 1:
-          loss, grads = plan.loss_and_grad(params, inputs, labels)
+          loss, grads, model_state = plan.loss_and_grad(params, inputs, targets, key, model_state)
         else:
-          loss, grads = accumulate_gradients(
-            plan.loss_and_grad, params, split(inputs), split(labels)
+          loss, grads, model_state = microsteps(
+            plan.loss_and_grad, params, model_state, key, inputs, targets, split
           )
-        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings), model_state
 
     optimizer = self.optimizer
-
     skip_nonfinite = self.skip_nonfinite
+    uses_rng = self.uses_rng
+    inputs_of, targets_of = self._inputs_of, self._targets_of
 
-    def train_step(state: TrainState, inputs, labels):
-      loss, grads = grad_fn(state.params, inputs, labels)
+    def train_step(state: TrainState, batch):
+      key = self._key(state.rng, state.step) if uses_rng else None
+      loss, grads, model_state = grad_fn(
+        state.params, state.model_state, key, inputs_of(batch), targets_of(batch)
+      )
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       grad_norm = optax.tree_utils.tree_norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      new_state = TrainState(state.step + 1, params, opt_state)
+      new_state = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
       metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
@@ -639,36 +844,18 @@ class Trainer:
 
   def _batch_split(self) -> int:
     """How many ways the batch's leading axis is split across the mesh."""
-    spec = self.plan.batch_spec
-    axes = spec[0] if len(spec) else None
-    if axes is None:
-      return 1
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([self.mesh.shape[a] for a in axes]))
+    return int(np.prod([self.mesh.shape[a] for a in self._batch_axes()]))
 
-  def _check_inputs(self, inputs: Any, what: str, abstract: bool = False):
-    self.plan  # noqa: B018 - raises a clear error before init
-    x = _as_array(what, inputs, abstract)
-    expected = self._input_shape
-    if x.ndim != len(expected) + 1 or tuple(x.shape[1:]) != expected:
-      raise ValueError(
-        f"{what} must have shape [B, {', '.join(map(str, expected))}] like the sample "
-        f"given to init, got {tuple(x.shape)}."
-      )
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{what} must be floating point (e.g. float32), got dtype {x.dtype}.")
-    self._check_batch_size(x.shape[0], what)
-    return x
-
-  def _check_batch_size(self, batch: int, what: str) -> None:
+  def _check_batch_size(self, batch: int, what: str, accumulate: int | None = None) -> None:
+    accumulate = self.accumulate if accumulate is None else accumulate
     split = self._batch_split()
-    multiple = split * self.plan.batch_multiple * self.accumulate
+    multiple = split * self.plan.batch_multiple * accumulate
     if batch < 1 or batch % multiple:
       detail = f"{split} device(s) along {self.plan.batch_spec}"
       if self.plan.batch_multiple > 1:
         detail += f" x {self.plan.batch_multiple} microbatches"
-      if self.accumulate > 1:
-        detail += f" x accumulate={self.accumulate}"
+      if accumulate > 1:
+        detail += f" x accumulate={accumulate}"
       raise ValueError(
         f"The batch size of {what} must be a positive multiple of {multiple} "
         f"({detail}), got {batch}."
@@ -685,31 +872,66 @@ class Trainer:
     return distributed.local_rows(self._batch_sharding(), global_batch)
 
   def _to_global(self, value: Any) -> Any:
-    if jax.process_count() == 1 or (
-      isinstance(value, jax.Array) and not value.is_fully_addressable
-    ):
+    if jax.process_count() == 1:
       return value
-    return jax.make_array_from_process_local_data(self._batch_sharding(), np.asarray(value))
 
-  def _check_batch(self, batch: Any, abstract: bool = False) -> tuple[Any, Any]:
-    """Validates `(images, labels)`; `abstract` also accepts `jax.ShapeDtypeStruct`s."""
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-      raise TypeError(f"A batch is a pair (images, labels), got {type(batch).__name__}.")
-    self.plan  # noqa: B018 - raises a clear error before init
-    to_global = (lambda v: v) if abstract else self._to_global
-    x = self._check_inputs(to_global(batch[0]), "images", abstract)
-    y = _as_array("labels", to_global(batch[1]), abstract)
-    if y.ndim < 1 or y.shape[0] != x.shape[0]:
-      raise ValueError(
-        f"labels must have a leading axis of {x.shape[0]} (one per image), "
-        f"got shape {tuple(y.shape)}."
-      )
-    if self.uses_default_loss:
+    def leaf(x):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+      return jax.make_array_from_process_local_data(self._batch_sharding(), np.asarray(x))
+
+    return jax.tree.map(leaf, value)
+
+  def _check_first_batch(self, batch: Batch, input_spec: Any) -> None:
+    """Checks a first batch (or `sample_batch`): its model inputs and, by default, labels."""
+    if self.model_inputs is None:
+      what = "batch[0] (the model inputs)"
+    else:
+      what = "model_inputs(batch)"
+    try:
+      inputs = jax.eval_shape(self._inputs_of, _abstract(batch))
+    except Exception as e:  # noqa: BLE001 - the user's function, reported with its cause
+      raise TypeError(f"model_inputs(batch) failed on the batch: {type(e).__name__}: {e}") from e
+    _check_like(what, inputs, input_spec, "the sample_inputs given to init")
+    rows = _batch_size("batch", batch)
+    _check_rows(what, inputs, rows)
+    if self.model_inputs is None and self.uses_default_loss:
+      y = batch[1]
+      if not isinstance(y, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+        raise TypeError(f"labels must be one integer array, got {type(y).__name__}.")
       if y.ndim != 1:
-        raise ValueError(f"labels must have shape [{x.shape[0]}], got {tuple(y.shape)}.")
+        raise ValueError(f"labels must have shape [{rows}], got {tuple(y.shape)}.")
       if not jnp.issubdtype(y.dtype, jnp.integer):
         raise TypeError(f"labels must be integer class ids, got dtype {y.dtype}.")
-    return x, y
+
+  def _as_batch(self, batch: Any, abstract: bool = False) -> Any:
+    """`batch` with array leaves (a pair, without `model_inputs`)."""
+    if self.model_inputs is None and (not isinstance(batch, (tuple, list)) or len(batch) != 2):
+      raise TypeError(
+        f"A batch is a pair (inputs, labels), got {type(batch).__name__}"
+        + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        + "; for other batches pass model_inputs= (batch -> model inputs) and a "
+        "loss_fn(outputs, batch) when calling the strategy."
+      )
+    return _arrays("batch", tuple(batch) if isinstance(batch, list) else batch, abstract)
+
+  def _check_batch(self, batch: Any, abstract: bool = False) -> Any:
+    """Validates a batch; `abstract` also accepts `jax.ShapeDtypeStruct` leaves."""
+    self.plan  # noqa: B018 - raises a clear error before init
+    batch = self._as_batch(batch, abstract)
+    if not abstract:
+      batch = self._to_global(batch)
+    rows = _batch_size("batch", batch)
+    if self._batch_spec is None:
+      self._check_first_batch(batch, self._input_spec)
+      spec = _per_example(batch)
+    else:
+      spec = self._batch_spec
+      _check_like("batch", batch, spec, self._batch_source)
+    self._check_batch_size(rows, "the batch")
+    if self._batch_spec is None:  # the first batch fixes what the others look like
+      self._batch_spec, self._batch_source = spec, "the first batch"
+    return batch
 
   def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     """Runs one training step: forward, backward, gradient averaging, update.
@@ -718,23 +940,26 @@ class Trainer:
 
     Args:
       state: from `init` or a previous `step`.
-      batch: `(images [B, ...] float, labels [B] int)`; `B` must split evenly
-        over the strategy's batch axes (and microbatches).
+      batch: `(inputs, labels)` (e.g. images `[B, ...]` and int labels `[B]`),
+        or with `model_inputs` any pytree of arrays; every leaf shares the
+        leading axis `B`, which must split evenly over the strategy's batch
+        axes (and microbatches and `accumulate`). Every batch must have the
+        structure, per-example shapes and dtypes of the first one (or of
+        `sample_batch`); errors name the leaf (e.g. `batch['tokens']`).
 
     Returns:
       `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
-      scalars (`finite` is False when the loss or gradients were NaN or infinite;
-      with `skip_nonfinite=True` that update was not applied).
+      scalars (`grad_norm` is the global norm of the gradients averaged over
+      the batch; `finite` is False when the loss or gradients were NaN or
+      infinite; with `skip_nonfinite=True` that update was not applied).
 
     Raises:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
         so `state` stays usable).
     """
-    x, y = self._check_batch(batch)
-    chex.assert_equal_shape_prefix([x, y], 1)
-    sharding = self._batch_sharding()
-    x, y = jax.device_put((x, y), sharding)
-    state, metrics = self._compiled_step(state, x, y)
+    batch = self._check_batch(batch)
+    batch = jax.device_put(batch, self._batch_sharding())
+    state, metrics = self._compiled_step(state, batch)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
     return state, metrics
@@ -745,59 +970,93 @@ class Trainer:
     `trainer.lower(state, batch).compile().memory_analysis()` reports the
     compiled step's memory (e.g. `temp_size_in_bytes` for activations).
 
-    `state` may come from `init_abstract` and `batch` may be a pair of
+    `state` may come from `init_abstract` and `batch` may hold
     `jax.ShapeDtypeStruct`s: then nothing is allocated, which is how a layout
     is measured for a model that may not fit.
     """
-    abstract = isinstance(batch, (tuple, list)) and all(
-      isinstance(b, jax.ShapeDtypeStruct) for b in batch
-    )
-    x, y = self._check_batch(batch, abstract)
+    leaves = jax.tree.leaves(batch)
+    abstract = bool(leaves) and all(isinstance(b, jax.ShapeDtypeStruct) for b in leaves)
+    batch = self._check_batch(batch, abstract)
     sharding = self._batch_sharding()
     if abstract:
-      x, y = (jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding) for b in (x, y))
+      batch = jax.tree.map(
+        lambda b: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=sharding), batch
+      )
     else:
-      x, y = jax.device_put((x, y), sharding)
-    return self._compiled_step.lower(state, x, y)
+      batch = jax.device_put(batch, sharding)
+    return self._compiled_step.lower(state, batch)
 
   # ----------------------------------------------------------------- apply
   @functools.cached_property
   def _compiled_apply(self):
     plan = self.plan
+
+    def forward(params, model_state, key, inputs):
+      return plan.forward(params, inputs, key, model_state)
+
     if not plan.manual:
-      return jax.jit(plan.forward, out_shardings=self._batch_sharding())
+      return jax.jit(forward, out_shardings=self._batch_sharding())
+
+    def per_device(params, model_state, key, inputs):
+      return forward(params, model_state, self._device_key(key), inputs)
+
     fwd = jax.shard_map(
-      plan.forward,
+      per_device,
       mesh=self.mesh,
-      in_specs=(plan.param_spec, plan.batch_spec),
+      in_specs=(plan.param_spec, P(), P(), plan.batch_spec),
       out_specs=plan.batch_spec,
       check_vma=plan.check_vma,
     )
     return jax.jit(fwd)
 
-  def apply(self, state: TrainState, inputs: Any) -> jax.Array:
+  def apply(self, state: TrainState, inputs: Any, *, rng: jax.Array | None = None) -> Any:
     """Returns the model's outputs on `inputs`, computed under the same layout.
+
+    A stateful model reads `state.model_state` (the state it returns is
+    dropped). A model that calls `hk.next_rng_key()` needs `rng`; strategies
+    that split the batch over devices fold each device's index into it, as
+    in `step`.
 
     Args:
       state: a `TrainState` of this trainer.
-      inputs: `[B, ...]` float inputs; `B` must split like a training batch.
+      inputs: model inputs shaped like the `sample_inputs` given to `init`,
+        with any batch size that splits over the strategy's batch axes (and
+        pipeline microbatches; `accumulate` plays no part).
+      rng: a PRNG key for models that draw randomness (ignored otherwise).
 
     Returns:
-      The logits, `[B, ...]`, split over the mesh like the inputs.
+      The outputs (any pytree of `[B, ...]` arrays), split over the mesh like
+      the inputs.
+
+    Raises:
+      TypeError, ValueError: for inputs unlike the sample, or a missing `rng`.
     """
     self.plan  # noqa: B018 - raises a clear error before init
-    x = self._check_inputs(self._to_global(inputs), "inputs")
-    x = jax.device_put(x, self._batch_sharding())
-    return self._compiled_apply(state.params, x)
+    inputs = self._to_global(_arrays("inputs", inputs))
+    _check_like("inputs", inputs, self._input_spec, "the sample_inputs given to init")
+    self._check_batch_size(_batch_size("inputs", inputs), "inputs", accumulate=1)
+    key = None
+    if self.uses_rng:
+      if rng is None:
+        raise ValueError(
+          "This model calls hk.next_rng_key(): pass apply(state, inputs, rng=jax.random.key(...))."
+        )
+      if not _is_prng_key(rng):
+        raise TypeError(f"rng must be a JAX PRNG key, got {type(rng).__name__} {rng!r}.")
+      key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+    inputs = jax.device_put(inputs, self._batch_sharding())
+    return self._compiled_apply(state.params, state.model_state, key, inputs)
 
   # ----------------------------------------------------------------- layouts
   def export_state(self, state: TrainState) -> dict[str, Any]:
     """The state in the model's own layout, independent of the strategy.
 
-    Returns `{"step", "params", "opt_state"}`: params as `trainer.params` gives
-    them, and the optimizer state as `optimizer.init(params)` would lay it out.
-    Another trainer of the same model and optimizer, under any strategy and
-    mesh, resumes from it with `import_state`; checkpoints store this form.
+    Returns `{"step", "params", "opt_state", "rng", "model_state"}`: params as
+    `trainer.params` gives them, the optimizer state as
+    `optimizer.init(params)` would lay it out, the training key's raw data
+    and the model's state. Another trainer of the same model and optimizer,
+    under any strategy and mesh, resumes from it with `import_state`;
+    checkpoints store this form.
     """
     return self._compiled_export(state)
 
@@ -810,6 +1069,8 @@ class Trainer:
         "step": state.step,
         "params": plan.to_params(state.params),
         "opt_state": _map_param_like(state.opt_state, state.params, plan.to_params),
+        "rng": state.rng,
+        "model_state": state.model_state,
       }
 
     return jax.jit(export, out_shardings=self._replicated)
@@ -818,25 +1079,35 @@ class Trainer:
     """Places a state from `export_state` (of any strategy) with this trainer's layout.
 
     Raises:
-      ValueError: if its params do not match this trainer's model.
+      ValueError: if its params, rng or model state do not match this trainer's.
     """
     plan = self.plan
     params = exported["params"]
     expected = jax.eval_shape(plan.to_params, self._abstract_state.params)
-    got_shapes = jax.tree.map(np.shape, params)
-    want_shapes = jax.tree.map(lambda x: x.shape, expected)
-    if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
-      got_shapes
-    ) != jax.tree.leaves(want_shapes):
-      raise ValueError(
-        "The saved params do not fit this model: saved "
-        f"{jax.tree.map(np.shape, params)}, expected {want_shapes}."
-      )
+    for name, got, want in (
+      ("params", params, expected),
+      ("rng", exported.get("rng"), self._abstract_state.rng),
+      ("model_state", exported.get("model_state"), self._abstract_state.model_state),
+    ):
+      got_shapes = jax.tree.map(np.shape, got)
+      want_shapes = jax.tree.map(lambda x: x.shape, want)
+      if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
+        got_shapes
+      ) != jax.tree.leaves(want_shapes):
+        raise ValueError(
+          f"The saved {name} do not fit this model: saved {got_shapes}, expected {want_shapes}."
+        )
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
       opt_state = _map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
-      return TrainState(jnp.asarray(exported["step"], jnp.int32), stored, opt_state)
+      return TrainState(
+        jnp.asarray(exported["step"], jnp.int32),
+        stored,
+        opt_state,
+        jnp.asarray(exported["rng"], self._abstract_state.rng.dtype),
+        exported["model_state"],
+      )
 
     mesh_devices = set(self.mesh.devices.flat)
 
@@ -857,18 +1128,19 @@ class Trainer:
   def params(self, state: TrainState) -> Params:
     """Returns the full params in the model's own Haiku layout (replicated).
 
-    `model.apply(trainer.params(state), None, x)` works without parstrat.
+    `model.apply(trainer.params(state), None, x)` works without parstrat (for an
+    `hk.transform_with_state` model, `model.apply(trainer.params(state),
+    state.model_state, rng, x)`).
     """
     return self._compiled_params(state.params)
 
 
 def accumulate_gradients(
-  loss_and_grad: Callable[[Any, Any, Any], tuple[jax.Array, Any]],
+  loss_and_grad: Callable[..., Any],
   params: Any,
-  inputs: Any,
-  labels: Any,
-) -> tuple[jax.Array, Any]:
-  """Mean loss and gradients over microsteps `inputs[j], labels[j]`, one at a time.
+  *microbatches: Any,
+) -> Any:
+  """The mean of `loss_and_grad(params, *microbatches[j])` over microsteps j, one at a time.
 
   The first microstep runs outside the loop and seeds the running sums, so the
   sums have exactly the type (shape, dtype, and under `shard_map` the
@@ -876,14 +1148,16 @@ def accumulate_gradients(
   the others. Only one microstep's activations are alive at a time.
 
   Args:
-    loss_and_grad: `(params, inputs, labels) -> (mean loss, grads)`.
+    loss_and_grad: `(params, *microbatch) -> pytree`, e.g. `(mean loss, grads)`.
     params: the params, passed to every microstep.
-    inputs: `[k, ...]` microstep inputs.
-    labels: `[k, ...]` microstep labels.
+    *microbatches: pytrees whose leaves have a leading microstep axis `[k, ...]`
+      (e.g. inputs and labels; None for an argument that is None in every
+      microstep).
 
   Returns:
-    `(loss, grads)` averaged over the k microsteps: the whole batch's mean loss
-    and its gradient when every microstep has the same size.
+    Every leaf of `loss_and_grad`'s result averaged over the k microsteps
+    (integer leaves: the floor of the mean): the whole batch's mean loss and
+    its gradient when every microstep has the same size.
 
   Example:
     >>> import jax, jax.numpy as jnp, parstrat
@@ -895,18 +1169,56 @@ def accumulate_gradients(
     >>> bool(jnp.allclose(grad, loss_and_grad(1.0, x, y)[1]))
     True
   """
-  k = inputs.shape[0]
-  first = loss_and_grad(params, inputs[0], labels[0])
+  k = jax.tree.leaves(microbatches)[0].shape[0]
+
+  def microstep(j):
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), microbatches)
+
+  first = loss_and_grad(params, *jax.tree.map(lambda x: x[0], microbatches))
   if k == 1:
     return first
 
   def body(j, total):  # reads microstep j in place: no copy of the batch
-    x = jax.lax.dynamic_index_in_dim(inputs, j, keepdims=False)
-    y = jax.lax.dynamic_index_in_dim(labels, j, keepdims=False)
-    return jax.tree.map(jnp.add, total, loss_and_grad(params, x, y))
+    return jax.tree.map(jnp.add, total, loss_and_grad(params, *microstep(j)))
 
   total = jax.lax.fori_loop(1, k, body, first)
-  return jax.tree.map(lambda x: x / k, total)
+  return jax.tree.map(lambda x: _mean_of_sum(x, k), total)
+
+
+def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
+  if jnp.issubdtype(total.dtype, jnp.inexact):
+    return total / count
+  return total // count
+
+
+def _mean_over(tree: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
+  """Inside the map: the mean over mesh `axes` of every leaf (integers: floor of the mean)."""
+  if not axes:
+    return tree
+  count = int(np.prod([mesh.shape[a] for a in axes]))
+  return jax.tree.map(lambda x: _mean_of_sum(jax.lax.psum(x, axes), count), tree)
+
+
+def _training_key_data(rng: jax.Array) -> jax.Array:
+  """The raw data of the training key `fold_in(rng, 1)` stored in `TrainState.rng`."""
+  return jax.random.key_data(jax.random.fold_in(rng, 1))
+
+
+def _key_impl(rng: jax.Array):
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return jax.random.key_impl(rng)
+  return None  # a legacy raw key: JAX's default implementation
+
+
+def _reads_rng(model, params, model_state, inputs) -> bool:
+  """Whether the model's `apply` reads its rng (calls `hk.next_rng_key()`), found by tracing."""
+  key = jax.random.key(0)
+  jaxpr = jax.make_jaxpr(lambda p, s, k, x: model.apply(p, s, k, x))(
+    params, model_state, key, inputs
+  )
+  n = len(jax.tree.leaves(params)) + len(jax.tree.leaves(model_state))
+  key_var = jaxpr.jaxpr.invars[n]
+  return any(key_var in eqn.invars for eqn in jaxpr.jaxpr.eqns) or key_var in jaxpr.jaxpr.outvars
 
 
 def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
@@ -948,3 +1260,71 @@ def _as_array(what: str, value: Any, abstract: bool = False):
     except Exception as e:  # noqa: BLE001
       raise TypeError(f"{what} must be an array, got {type(value).__name__}: {e}") from None
   raise TypeError(f"{what} must be a jax or numpy array, got {type(value).__name__}.")
+
+
+def _arrays(what: str, tree: Any, abstract: bool = False) -> Any:
+  """`tree` with every leaf an array; errors name the leaf, e.g. `batch['tokens']`."""
+  if isinstance(tree, list) and not any(isinstance(x, (jax.Array, np.ndarray)) for x in tree):
+    tree = _as_array(what, tree)  # nested lists of numbers: one array
+  tree = jax.tree_util.tree_map_with_path(
+    lambda path, leaf: _as_array(what + jax.tree_util.keystr(path), leaf, abstract), tree
+  )
+  if not jax.tree.leaves(tree):
+    raise TypeError(f"{what} must hold at least one array, got {tree!r}.")
+  return tree
+
+
+def _batch_size(what: str, tree: Any) -> int:
+  """The leading axis every leaf of `tree` shares."""
+  rows = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    name = what + jax.tree_util.keystr(path)
+    if not leaf.shape:
+      raise ValueError(f"{name} needs a leading batch axis, got a scalar of dtype {leaf.dtype}.")
+    rows[name] = leaf.shape[0]
+  if len(set(rows.values())) > 1:
+    listed = ", ".join(f"{name}: {n}" for name, n in rows.items())
+    raise ValueError(f"The leaves of {what} must share their leading (batch) axis, got {listed}.")
+  return next(iter(rows.values()))
+
+
+def _check_rows(what: str, tree: Any, rows: int) -> None:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not leaf.shape or leaf.shape[0] != rows:
+      raise ValueError(
+        f"{what}{jax.tree_util.keystr(path)} must keep the batch's leading axis of {rows}, "
+        f"got shape {tuple(leaf.shape)}."
+      )
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _per_example(tree: Any) -> Any:
+  """Every leaf's per-example shape and dtype (the batch axis dropped; dtypes as JAX sees
+  them, so a NumPy float64 is float32 unless 64-bit mode is on)."""
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(tuple(x.shape[1:]), jax.dtypes.canonicalize_dtype(x.dtype)),
+    tree,
+  )
+
+
+def _check_like(what: str, tree: Any, spec: Any, source: str) -> None:
+  """`tree`'s leaves must have `spec`'s structure, per-example shapes and dtypes."""
+  if jax.tree.structure(tree) != jax.tree.structure(spec):
+    raise TypeError(
+      f"{what} must have the structure of {source}, {jax.tree.structure(spec)}; got "
+      f"{jax.tree.structure(tree)}."
+    )
+  for (path, leaf), want in zip(
+    jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(spec), strict=True
+  ):
+    name = what + jax.tree_util.keystr(path)
+    if leaf.ndim != len(want.shape) + 1 or tuple(leaf.shape[1:]) != tuple(want.shape):
+      raise ValueError(
+        f"{name} must have shape [B, {', '.join(map(str, want.shape))}] like {source}, "
+        f"got {tuple(leaf.shape)}."
+      )
+    if jax.dtypes.canonicalize_dtype(leaf.dtype) != jnp.dtype(want.dtype):
+      raise TypeError(f"{name} must have dtype {want.dtype} like {source}, got dtype {leaf.dtype}.")

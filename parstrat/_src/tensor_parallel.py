@@ -13,6 +13,7 @@ from parstrat._src.sharded_params import global_plan
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import build_mesh
+from parstrat._src.strategy import outputs_fn
 
 MODEL = "model"
 
@@ -46,12 +47,11 @@ class TensorParallel(Strategy):
 
   model: int | None = None
   axis_names = (MODEL,)
+  supports_rng = True
 
   def make_mesh(self) -> Mesh:
     return build_mesh({MODEL: self.model}, self.devices)
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
-    split = tensor_split.analyse(
-      lambda p, x: model.apply(p, None, x), sample_params, sample_inputs, mesh.shape[MODEL]
-    )
+    split = tensor_split.analyse(outputs_fn(model), sample_params, sample_inputs, mesh.shape[MODEL])
     return global_plan(model, loss_fn, split.specs(MODEL), P(), split.describe())

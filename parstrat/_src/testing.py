@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import chex
 import haiku as hk
@@ -20,6 +22,7 @@ from parstrat._src import registry
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
+from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import softmax_cross_entropy
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -112,6 +115,77 @@ def _count_compiles() -> Iterator[list[str]]:
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+class Reference(NamedTuple):
+  """What plain single-device `jax.jit` training produced, step by step."""
+
+  losses: list[float]
+  grad_norms: list[float]
+  params: Any
+  model_state: Any
+
+
+def reference_train(
+  model: hk.Transformed | hk.TransformedWithState,
+  optimizer: optax.GradientTransformation,
+  batches: Sequence[Any],
+  params: Any,
+  *,
+  loss_fn: LossFn = softmax_cross_entropy,
+  model_inputs: Callable[[Any], Any] | None = None,
+  model_state: Any = None,
+  rng: jax.Array | None = None,
+) -> Reference:
+  """Plain single-device `jax.jit` training on `batches`: the oracle every strategy must match.
+
+  Batches follow the trainer's contract: `(inputs, labels)` pairs, or with
+  `model_inputs` any pytree (the loss then gets the whole batch). A model
+  that draws randomness gets at step t the key the trainer derives from the
+  same `rng`, `fold_in(fold_in(rng, 1), t)`, for the whole batch.
+
+  Args:
+    model: an `hk.Transformed` or `hk.TransformedWithState`.
+    optimizer: the optimizer.
+    batches: the global batches, one per step.
+    params: the initial params.
+    loss_fn, model_inputs: as for the trainer.
+    model_state: the initial state of a stateful model.
+    rng: the key given to `trainer.init` (None: the model draws no randomness).
+
+  Returns:
+    A `Reference`: per-step losses and global gradient norms, final params
+    and model state.
+  """
+  stateful = as_stateful(model)
+  inputs_of = (lambda b: b[0]) if model_inputs is None else model_inputs
+  targets_of = (lambda b: b[1]) if model_inputs is None else (lambda b: b)
+  device = jax.devices()[0]
+  params = jax.device_put(params, device)
+  model_state = jax.device_put({} if model_state is None else model_state, device)
+  opt_state = optimizer.init(params)
+  base = None if rng is None else jax.random.fold_in(rng, 1)
+
+  @jax.jit
+  def step(params, opt_state, model_state, key, batch):
+    def loss(p):
+      outputs, new_state = stateful.apply(p, model_state, key, inputs_of(batch))
+      return loss_fn(outputs, targets_of(batch)), new_state
+
+    (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    grad_norm = optax.tree_utils.tree_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, model_state, value, grad_norm
+
+  losses, grad_norms = [], []
+  for t, batch in enumerate(batches):
+    key = None if base is None else jax.random.fold_in(base, t)
+    params, opt_state, model_state, loss, grad_norm = step(
+      params, opt_state, model_state, key, jax.device_put(batch, device)
+    )
+    losses.append(float(loss))
+    grad_norms.append(float(grad_norm))
+  return Reference(losses, grad_norms, params, model_state)
+
+
 def reference_run(
   model: hk.Transformed,
   optimizer: optax.GradientTransformation,
@@ -120,22 +194,10 @@ def reference_run(
   params: Any,
   loss_fn: LossFn = softmax_cross_entropy,
 ) -> tuple[list[float], Any]:
-  """Plain single-device `jax.jit` training: the oracle every strategy must match."""
-  device = jax.devices()[0]
-  params = jax.device_put(params, device)
-  opt_state = optimizer.init(params)
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply(p, None, x), y))(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  losses = []
-  for x, y in zip(images, labels, strict=True):
-    params, opt_state, loss = step(params, opt_state, jax.device_put(x, device), y)
-    losses.append(float(loss))
-  return losses, params
+  """`reference_train` on `(images[t], labels[t])` batches: (losses, final params)."""
+  batches = list(zip(images, labels, strict=True))
+  reference = reference_train(model, optimizer, batches, params, loss_fn=loss_fn)
+  return reference.losses, reference.params
 
 
 def _first_divergence(params: Any, reference: Any, rtol: float, atol: float) -> tuple[str, float]:
@@ -146,30 +208,32 @@ def _first_divergence(params: Any, reference: Any, rtol: float, atol: float) -> 
     a, b = np.asarray(leaf, np.float64), np.asarray(ref, np.float64)
     diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     if not np.allclose(a, b, rtol=rtol, atol=atol) and not worst_name:
-      worst_name = jax.tree_util.keystr(path)
+      worst_name = jax.tree_util.keystr(path) or "(the array)"
     worst = max(worst, diff)
   return worst_name, worst
 
 
-def _check_batch_split(trainer: Trainer, state, images: np.ndarray) -> None:
-  logits = trainer.apply(state, images)
+def _check_batch_split(trainer: Trainer, outputs: Any) -> None:
   expected = jax.sharding.NamedSharding(trainer.mesh, trainer.plan.batch_spec)
-  if not logits.sharding.is_equivalent_to(expected, logits.ndim):
-    raise AssertionError(
-      f"The batch was not split as the plan says: outputs are laid out as "
-      f"{logits.sharding}, the plan's batch_spec is {trainer.plan.batch_spec}."
-    )
+  for path, leaf in jax.tree_util.tree_leaves_with_path(outputs):
+    if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
+      raise AssertionError(
+        f"The batch was not split as the plan says: outputs{jax.tree_util.keystr(path)} are "
+        f"laid out as {leaf.sharding}, the plan's batch_spec is {trainer.plan.batch_spec}."
+      )
 
 
 def check_strategy(
   strategy: Strategy | str,
-  model: hk.Transformed | None = None,
+  model: hk.Transformed | hk.TransformedWithState | None = None,
   optimizers: Sequence[optax.GradientTransformation] | None = None,
   *,
   steps: int = 5,
   batch: int = 64,
   features: int = 784,
   loss_fn: LossFn | None = None,
+  batches: Sequence[Any] | None = None,
+  model_inputs: Callable[[Any], Any] | None = None,
   rtol: float = 1e-5,
   atol: float = 1e-5,
   seed: int = 0,
@@ -181,23 +245,35 @@ def check_strategy(
   For each optimizer (default: SGD, where a wrong gradient scale shows and
   everything is compared within `rtol`/`atol`, and Adam, whose params are
   compared within `ADAM_PARAM_ATOL` = lr / 10 because Adam amplifies rounding
-  in near-zero gradients), both runs start from the same params and see the same deterministic
-  batches. After every step the strategy's replicas must be identical across
-  devices; after the first step nothing may recompile; the per-step losses and
-  the final params (in the model's layout) must match the reference within
-  `rtol`/`atol`; and the outputs of `trainer.apply` must be split over the
-  mesh as the plan's `batch_spec` says.
+  in near-zero gradients), both runs start from the same params (and model
+  state and key) and see the same batches. After every step the strategy's
+  replicas must be identical across devices; after the first step nothing
+  may recompile; the per-step losses and `metrics["grad_norm"]` (the global
+  norm of the batch's gradient), the final params (in the model's layout)
+  and model state must match the reference within `rtol`/`atol`; and
+  `trainer.apply` on the first batch's inputs must give what `model.apply`
+  gives on `trainer.params(state)`, split over the mesh as the plan's
+  `batch_spec` says.
+
+  A model that draws randomness gets the same keys as the reference only
+  where the layout computes on the whole batch at once (fsdp, tensor); under
+  data parallelism each device folds in its index, so such a model passes
+  only if its randomness does not change values (e.g. dropout at rate 0).
 
   Args:
     strategy: a `Strategy` instance or a registered name.
-    model: an `hk.Transformed` taking `[B, features]` (default: the seed MLP).
+    model: an `hk.Transformed` or `hk.TransformedWithState` (default: the
+      seed MLP, taking `[B, features]`).
     optimizers: the optimizers to try (default: `sgd(0.1)` and `adam(1e-3)`).
-    steps: training steps per optimizer.
-    batch: the global batch size.
-    features: input features per example.
+    steps: training steps per optimizer (with `batches`: one per batch).
+    batch: the global batch size of the random batches.
+    features: input features per example of the random batches.
     loss_fn: as for the trainer (default: softmax cross-entropy).
-    rtol, atol: tolerances on losses and params.
-    seed: for the params and the batches.
+    batches: the batches to train on (default: `steps` random `(images,
+      labels)` pairs of `batch` rows).
+    model_inputs: as for the trainer (`batch -> model inputs`).
+    rtol, atol: tolerances on losses, gradient norms, outputs and params.
+    seed: for the params, the model's key and the random batches.
     precision: the trainer's mixed-precision policy; the reference runs the
       same jmp policy on one device (bfloat16 runs need looser tolerances:
       the strategies sum gradients in another order).
@@ -224,40 +300,65 @@ def check_strategy(
     if optimizers is None
     else [(f"optimizer {i}", opt, atol) for i, opt in enumerate(optimizers)]
   )
-  images, labels = random_batches(steps, batch, features, seed=seed)
+  if batches is None:
+    images, labels = random_batches(steps, batch, features, seed=seed)
+    batches = list(zip(images, labels, strict=True))
+  steps = len(batches)
+  inputs_of = (lambda b: b[0]) if model_inputs is None else model_inputs
+  first_inputs = inputs_of(batches[0])
+  sample = jax.tree.map(lambda x: x[:1], first_inputs)
   reports = []
-  reference_model = precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
+  reference_model = as_stateful(
+    precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
+  )
   for name, optimizer, param_atol in named:
     options = {"precision": precision} if precision is not None else {}
     if accumulate != 1:
       options["accumulate"] = accumulate
+    if model_inputs is not None:
+      options["model_inputs"] = model_inputs
     trainer = strategy(model, optimizer, loss_fn=loss_fn, **options)
     key = jax.random.key(seed)
-    reference_params = jax.jit(reference_model.init)(key, images[0][:1])
-    ref_losses, ref_params = reference_run(
-      reference_model, optimizer, images, labels, reference_params, trainer.loss_fn
+    reference_params, reference_state = jax.jit(reference_model.init)(key, sample)
+    reference = reference_train(
+      reference_model,
+      optimizer,
+      batches,
+      reference_params,
+      loss_fn=trainer.loss_fn,
+      model_inputs=model_inputs,
+      model_state=reference_state,
+      rng=key,
     )
     label = f"{strategy!r} with {name}"
     try:
-      state = trainer.init(key, images[0][:1])
-      losses = []
+      state = trainer.init(key, sample)
+      losses, grad_norms = [], []
       with _count_compiles() as compiles:
         for i in range(steps):
           if i == 1:
             compiles.clear()
-          state, metrics = trainer.step(state, (images[i], labels[i]))
+          state, metrics = trainer.step(state, batches[i])
           losses.append(float(metrics["loss"]))
+          grad_norms.append(float(metrics["grad_norm"]))
           try:
             checks.assert_replicas_equal(state)
           except AssertionError as e:
             raise AssertionError(f"{label}: after step {i + 1}: {e}") from None
         recompiles = len(compiles)
       params = trainer.params(state)
-      _check_batch_split(trainer, state, images[0])
+      model_state = trainer.export_state(state)["model_state"]
+      apply_key = jax.random.key(seed + 1)
+      outputs = trainer.apply(state, first_inputs, rng=apply_key)
+      _check_batch_split(trainer, outputs)
+      expected_outputs = jax.jit(reference_model.apply)(
+        params, model_state, apply_key, first_inputs
+      )[0]
     except AssertionError:
       raise
     except Exception as e:  # noqa: BLE001 - a strategy that cannot run fails the check
       raise AssertionError(f"{label} failed to train: {type(e).__name__}: {e}") from e
+    ref_losses = reference.losses
     loss_diff = np.abs(np.asarray(losses) - np.asarray(ref_losses))
     problems = []
     bad_steps = np.flatnonzero(~np.isclose(losses, ref_losses, rtol=rtol, atol=atol))
@@ -267,9 +368,29 @@ def check_strategy(
         f"loss differs from step {i + 1}: {losses[i]:.8g} vs reference {ref_losses[i]:.8g} "
         f"(ratio {losses[i] / ref_losses[i]:.4g})"
       )
-    leaf, param_diff = _first_divergence(params, ref_params, rtol, param_atol)
+    # Adam's params may drift by its tolerance, and the gradients with them.
+    norm_rtol = rtol if param_atol == atol else max(rtol, 1e-4)
+    bad_norms = np.flatnonzero(
+      ~np.isclose(grad_norms, reference.grad_norms, rtol=norm_rtol, atol=atol)
+    )
+    if bad_norms.size:
+      i = int(bad_norms[0])
+      problems.append(
+        f"metrics['grad_norm'] differs from step {i + 1}: {grad_norms[i]:.8g} vs the "
+        f"reference's gradient norm {reference.grad_norms[i]:.8g}"
+      )
+    leaf, param_diff = _first_divergence(params, reference.params, rtol, param_atol)
     if leaf:
       problems.append(f"params diverge first at {leaf} (max abs diff {param_diff:.3g})")
+    leaf, state_diff = _first_divergence(model_state, reference.model_state, rtol, param_atol)
+    if leaf:
+      problems.append(f"model state diverges first at {leaf} (max abs diff {state_diff:.3g})")
+    leaf, output_diff = _first_divergence(outputs, expected_outputs, rtol, atol)
+    if leaf:
+      problems.append(
+        f"trainer.apply differs from model.apply on trainer.params at outputs{leaf} "
+        f"(max abs diff {output_diff:.3g})"
+      )
     if steps > 1 and recompiles:
       problems.append(f"{recompiles} compilation(s) after the first step (expected none)")
     if problems:

@@ -284,15 +284,16 @@ class StagedModel:
 
   `forward(stage, row, act, x, y)` runs stage `stage` (a Python int) on its
   params `row` (a flat buffer for `FlatLayout`, a pair for `SplitLayout`); its
-  input is `x` for stage 0 and the padded activation `act` otherwise. It
-  returns the padded output and the microbatch loss (0 except on the last
-  stage).
+  input is the microbatch's model inputs `x` (any pytree) for stage 0 and the
+  padded activation `act` otherwise. It returns the padded output and the
+  microbatch loss `loss_fn(outputs, y)` with the microbatch's targets `y` (any
+  pytree) on the last stage, 0 elsewhere.
   """
 
   layout: FlatLayout | SplitLayout
   program: partition_lib.StageProgram
   width: int
-  loss_fn: Callable[[jax.Array, jax.Array], jax.Array]
+  loss_fn: Callable[[jax.Array, Any], jax.Array]
 
   @property
   def num_stages(self) -> int:
@@ -334,6 +335,16 @@ def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
   return lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
 
 
+def microbatches(tree: Any, count: int) -> Any:
+  """Every leaf `[B, ...]` of `tree` as `[count, B // count, ...]`: microbatch m is row m."""
+  return jax.tree.map(lambda x: x.reshape(count, x.shape[0] // count, *x.shape[1:]), tree)
+
+
+def _microbatch(tree: Any, m: jax.Array) -> Any:
+  """Microbatch `m` (traced) of a tree from `microbatches`."""
+  return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), tree)
+
+
 def _shift(value: jax.Array, axis: str, stages: int, direction: int) -> jax.Array:
   """Sends `value` one stage forward (+1) or back (-1); the far end gets zeros."""
   if stages == 1:
@@ -346,8 +357,8 @@ def pipeline_loss_and_grad(
   staged: StagedModel,
   schedule: Schedule,
   row: jax.Array,
-  inputs: jax.Array,
-  labels: jax.Array,
+  inputs: Any,
+  targets: Any,
   *,
   stage_axis: str,
   bubble_value: float = 0.0,
@@ -372,8 +383,11 @@ def pipeline_loss_and_grad(
     schedule: the tick table.
     row: this device's stage params (device-varying): a `[size]` flat buffer,
       or for `SplitLayout` a pair `([parts, split_size], [replicated_size])`.
-    inputs: this device's batch block `[B, ...]`.
-    labels: `[B, ...]`.
+    inputs: this device's block of the model inputs, a pytree of `[B, ...]`
+      leaves; stage 0 reads microbatch m's rows of every leaf.
+    targets: this device's block of what the loss takes besides the outputs
+      (labels, or the whole batch), a pytree of `[B, ...]` leaves; the last
+      stage computes `loss_fn(outputs, targets of microbatch m)`.
     stage_axis: the mesh axis the stages lie along.
     bubble_value: what idle ticks send; NaN in tests proves bubbles never leak.
 
@@ -383,9 +397,8 @@ def pipeline_loss_and_grad(
     over data replicas.
   """
   P, M = schedule.stages, schedule.microbatches
-  mb = inputs.shape[0] // M
-  xs = inputs.reshape(M, mb, *inputs.shape[1:])
-  ys = labels.reshape(M, mb, *labels.shape[1:])
+  mb = jax.tree.leaves(inputs)[0].shape[0] // M
+  xs, ys = microbatches(inputs, M), microbatches(targets, M)
   W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
   tables = jnp.asarray(
@@ -443,8 +456,8 @@ def pipeline_loss_and_grad(
       row,
       _read(stash, a_slot),
       _read(inbox, g_slot),
-      lax.dynamic_index_in_dim(xs, m, keepdims=False),
-      lax.dynamic_index_in_dim(ys, m, keepdims=False),
+      _microbatch(xs, m),
+      _microbatch(ys, m),
     )
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
@@ -464,20 +477,22 @@ def pipeline_loss_and_grad(
 
 def pipeline_forward(
   staged: StagedModel,
-  microbatches: int,
+  num_microbatches: int,
   row: jax.Array,
-  inputs: jax.Array,
+  inputs: Any,
   *,
   stage_axis: str,
 ) -> jax.Array:
   """A forward-only pipelined pass; returns the `[B, out...]` outputs on every stage.
 
+  `inputs` is this device's block of the model inputs (any pytree of `[B, ...]`).
+
   Stage s runs microbatch `t - s` at tick t (M + P - 1 ticks); the last stage
   collects the outputs, which a `psum` over the stage axis then replicates.
   """
-  P, M = staged.num_stages, microbatches
-  mb = inputs.shape[0] // M
-  xs = inputs.reshape(M, mb, *inputs.shape[1:])
+  P, M = staged.num_stages, num_microbatches
+  mb = jax.tree.leaves(inputs)[0].shape[0] // M
+  xs = microbatches(inputs, M)
   W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
   out_aval = staged.program.boundaries[-1]
@@ -496,7 +511,7 @@ def pipeline_forward(
     act, outputs = carry
     m = t - stage
     active = (m >= 0) & (m < M)
-    x = lax.dynamic_index_in_dim(xs, jnp.clip(m, 0, M - 1), keepdims=False)
+    x = _microbatch(xs, jnp.clip(m, 0, M - 1))
     send, out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
     send = jnp.where(active, send, jnp.zeros_like(send))
     outputs = _store(outputs, jnp.where(active & (stage == P - 1), m, -1), out)

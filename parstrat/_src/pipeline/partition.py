@@ -108,12 +108,12 @@ class _Trace:
   jaxpr: Any  # jex.Jaxpr
   consts: list
   param_vars: list  # one var per flattened param leaf
-  input_var: Any
+  input_vars: list  # one var per flattened input leaf
   leaf_layer: list[int]  # layer index of each flattened leaf
   layer_names: list[str]
 
 
-def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Trace:
+def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   leaves = [leaf for _, leaf in leaves_with_path]
 
@@ -125,10 +125,6 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
   jaxpr = jaxpr.replace(
     eqns=_sink_parameter_math(jaxpr.eqns, [*jaxpr.invars[: len(leaves)], *jaxpr.constvars])
   )
-  if len(jaxpr.outvars) != 1:
-    raise ValueError(
-      f"A pipelined model must return one array (the logits); it returns {len(jaxpr.outvars)}."
-    )
   names = []
   leaf_layer = []
   for path, _ in leaves_with_path:
@@ -140,7 +136,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct) -> _Tr
     jaxpr=jaxpr,
     consts=list(closed.consts),
     param_vars=list(jaxpr.invars[: len(leaves)]),
-    input_var=jaxpr.invars[len(leaves)],
+    input_vars=list(jaxpr.invars[len(leaves) :]),
     leaf_layer=leaf_layer,
     layer_names=names,
   )
@@ -235,7 +231,7 @@ def _analyse(trace: _Trace) -> _Analysis:
     raise ValueError(f"Parameters of layer(s) {unused} are never used by the model's apply.")
   layer_order = sorted(first_read, key=first_read.get)
 
-  defined = {trace.input_var: -1}
+  defined = {v: -1 for v in trace.input_vars}
   last_use: dict[Any, int] = {}
   for i, eqn in enumerate(eqns):
     for v in eqn.invars:
@@ -331,7 +327,7 @@ def plan_stages(
   Args:
     apply_fn: `(params, inputs) -> outputs`.
     params: the params pytree (arrays or `jax.ShapeDtypeStruct`).
-    inputs: abstract inputs.
+    inputs: abstract inputs (a pytree of batch-leading values).
     stages: the number of stages P.
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start, overriding the automatic
@@ -349,6 +345,12 @@ def plan_stages(
   if balance not in ("params", "flops"):
     raise ValueError(f"balance must be 'params' or 'flops', got {balance!r}.")
   trace = _trace(apply_fn, params, inputs)
+  if len(trace.jaxpr.outvars) != 1:
+    raise ValueError(
+      f"A pipelined model must return one array (the logits); it returns "
+      f"{len(trace.jaxpr.outvars)} (a pytree of outputs). The pipeline carries one array "
+      "out of its last stage: use data_parallel, fsdp or tensor for models with several outputs."
+    )
   analysis = _analyse(trace)
   order = analysis.layer_order
   n = len(order)
@@ -357,7 +359,8 @@ def plan_stages(
   for leaf, layer in zip(leaves, trace.leaf_layer, strict=True):
     size[layer] += int(np.prod(leaf.shape))
   flops = [0] * n
-  batch = inputs.shape[0] if inputs.shape else 1
+  first_input = jax.tree.leaves(inputs)[0]
+  batch = first_input.shape[0] if first_input.shape else 1
   for eqn, layer in zip(trace.jaxpr.eqns, analysis.eqn_layer, strict=True):
     flops[layer] += _eqn_flops(eqn)
   layers = tuple(
@@ -451,10 +454,11 @@ class StageProgram:
 
   Attributes:
     stage_fns: `stage_fns[s](leaves, x) -> y`, where `leaves` are that stage's
-      parameter leaves (in `stage_leaves[s]` order).
+      parameter leaves (in `stage_leaves[s]` order) and `x` the model's inputs
+      (any pytree) for stage 0, the activation entering stage s otherwise.
     stage_leaves: indices into the flattened params of each stage's leaves.
     boundaries: the abstract value entering each stage (`boundaries[0]` is the
-      input) plus the output (`boundaries[P]`).
+      inputs pytree) plus the output (`boundaries[P]`).
   """
 
   stage_fns: tuple[Callable[..., jax.Array], ...]
@@ -462,9 +466,7 @@ class StageProgram:
   boundaries: tuple[jax.ShapeDtypeStruct, ...]
 
 
-def stage_program(
-  apply_fn: Callable, params: Any, inputs: jax.ShapeDtypeStruct, plan: StagePlan
-) -> StageProgram:
+def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan) -> StageProgram:
   """Traces the model at `inputs`' shape and cuts it where `plan` says.
 
   Raises:
@@ -474,12 +476,12 @@ def stage_program(
   eqns = trace.jaxpr.eqns
   analysis = _analyse(trace)
   bounds = [0, *plan.cuts, len(eqns)]
-  live_in = [trace.input_var] + [analysis.live[c][0] for c in plan.cuts]
-  live_out = live_in[1:] + [trace.jaxpr.outvars[0]]
+  live_in = [trace.input_vars] + [[analysis.live[c][0]] for c in plan.cuts]
+  live_out = [v[0] for v in live_in[1:]] + [trace.jaxpr.outvars[0]]
   param_index = {v: i for i, v in enumerate(trace.param_vars)}
   const_index = {v: i for i, v in enumerate(trace.jaxpr.constvars)}
   fns, leaves_per_stage, boundaries = [], [], []
-  batch = inputs.shape[0]
+  batch = jax.tree.leaves(inputs)[0].shape[0]
   for s in range(len(bounds) - 1):
     segment = eqns[bounds[s] : bounds[s + 1]]
     used = []
@@ -491,30 +493,34 @@ def stage_program(
         if _is_var(v) and v in const_index and v not in consts_used:
           consts_used.append(v)
     used.sort(key=param_index.get)
-    aval = live_in[s].aval
-    if s > 0 and (not aval.shape or aval.shape[0] != batch):
-      raise ValueError(
-        f"The activation entering stage {s} has shape {aval.shape}; a pipeline cut needs "
-        f"the batch ({batch}) as its leading axis."
-      )
-    boundaries.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+    if s == 0:
+      boundaries.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs))
+    else:
+      aval = live_in[s][0].aval
+      if not aval.shape or aval.shape[0] != batch:
+        raise ValueError(
+          f"The activation entering stage {s} has shape {aval.shape}; a pipeline cut needs "
+          f"the batch ({batch}) as its leading axis."
+        )
+      boundaries.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     sub = jex.Jaxpr(
       constvars=consts_used,
-      invars=[*used, live_in[s]],
+      invars=[*used, *live_in[s]],
       outvars=[live_out[s]],
       eqns=segment,
       effects=jex.no_effects,
       debug_info=jex.DebugInfo(
         "parstrat pipeline stage",
         f"stage {s}",
-        tuple(f"param{i}" for i in range(len(used))) + ("activation",),
+        tuple(f"param{i}" for i in range(len(used)))
+        + tuple(f"input{i}" for i in range(len(live_in[s]))),
         ("output",),
       ),
     )
     consts = [trace.consts[const_index[v]] for v in consts_used]
 
     def run(leaves, x, _sub=sub, _consts=consts):
-      (out,) = jax.core.eval_jaxpr(_sub, _consts, *leaves, x)
+      (out,) = jax.core.eval_jaxpr(_sub, _consts, *leaves, *jax.tree.leaves(x))
       return out
 
     fns.append(run)

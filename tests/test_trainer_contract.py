@@ -1,0 +1,331 @@
+"""The trainer's contract beyond (images, labels): pytree batches, integer inputs, pytree
+outputs, randomness (dropout) and model state, each against single-device `jax.jit`."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import parstrat
+import parstrat.testing
+from parstrat import softmax_cross_entropy
+from parstrat.checkpoint import Checkpointer
+
+VOCAB, LENGTH, CLASSES, ROWS = 16, 4, 10, 16
+SGD_AND_ADAM = dict(steps=3)
+
+
+def _token_net(inputs):
+  """Token ids and a float per-example scale in; class logits out."""
+  tokens, scale = inputs
+  h = hk.Embed(VOCAB, 4)(tokens).reshape(tokens.shape[0], -1) * scale
+  h = jax.nn.relu(hk.Linear(16)(h))
+  return hk.Linear(CLASSES)(h)
+
+
+TOKEN_MODEL = hk.transform(_token_net)
+
+
+def _token_batches(steps, seed=0):
+  rng = np.random.default_rng(seed)
+  return [
+    {
+      "tokens": rng.integers(0, VOCAB, (ROWS, LENGTH)).astype(np.int32),
+      "scale": rng.random((ROWS, 1), dtype=np.float32),
+      "targets": rng.integers(0, CLASSES, (ROWS,)).astype(np.int32),
+      "weight": rng.random((ROWS,), dtype=np.float32),
+    }
+    for _ in range(steps)
+  ]
+
+
+def dict_inputs(batch):
+  return (batch["tokens"], batch["scale"])
+
+
+def weighted_loss(logits, batch):
+  per_example = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return jnp.mean(per_example * batch["weight"])
+
+
+STRATEGIES = {
+  "data_parallel": parstrat.DataParallel(data=4),
+  "fsdp": parstrat.FSDP(data=4),
+  "tensor": parstrat.TensorParallel(model=2),
+  "pipeline": parstrat.PipelineModelParallel(stages=2, microbatches=2),
+  "hybrid": parstrat.Hybrid(data=2, stages=2),
+}
+
+
+# ------------------------------------------------------------------ pytree batches
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_dict_batches_with_integer_inputs_match_jit(name):
+  # SGD everywhere (a wrong gradient scale shows), and Adam once.
+  optimizers = [optax.sgd(0.1)] + ([optax.adam(1e-2)] if name == "data_parallel" else [])
+  parstrat.testing.check_strategy(
+    STRATEGIES[name],
+    TOKEN_MODEL,
+    optimizers,
+    batches=_token_batches(3),
+    model_inputs=dict_inputs,
+    loss_fn=weighted_loss,
+  )
+
+
+@pytest.mark.parametrize("name, accumulate", [("fsdp", 2)])
+def test_pairs_with_pytree_inputs_and_the_default_loss(name, accumulate):
+  batches = [((b["tokens"], b["scale"]), b["targets"]) for b in _token_batches(3)]
+  parstrat.testing.check_strategy(
+    STRATEGIES[name], TOKEN_MODEL, [optax.sgd(0.1)], batches=batches, accumulate=accumulate
+  )
+
+
+@pytest.fixture(scope="module")
+def dict_trainer():
+  trainer = parstrat.DataParallel(data=4)(
+    TOKEN_MODEL, optax.sgd(0.1), model_inputs=dict_inputs, loss_fn=weighted_loss
+  )
+  batch = _token_batches(1)[0]
+  state = trainer.init(jax.random.key(0), dict_inputs(batch))
+  state, _ = trainer.step(state, batch)
+  return trainer, state, batch
+
+
+BATCH_CASES = [
+  ("dtype of a leaf", lambda b: {**b, "targets": b["targets"].astype(np.float32)}, TypeError,
+   r"batch\['targets'\] must have dtype int32 like the first batch, got dtype float32"),
+  ("shape of a leaf", lambda b: {**b, "tokens": b["tokens"][:, :3]}, ValueError,
+   r"batch\['tokens'\] must have shape \[B, 4\] .*got \(16, 3\)"),
+  ("a missing key", lambda b: {k: v for k, v in b.items() if k != "weight"}, TypeError,
+   r"batch must have the structure of .*first batch"),
+  ("rows differ", lambda b: {**b, "weight": b["weight"][:8]}, ValueError,
+   r"share their leading \(batch\) axis, .*batch\['weight'\]: 8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  "name, change, error, message", BATCH_CASES, ids=[c[0] for c in BATCH_CASES]
+)
+def test_later_batches_must_look_like_the_first(dict_trainer, name, change, error, message):
+  trainer, state, batch = dict_trainer
+  with pytest.raises(error, match=message):
+    trainer.step(state, change(batch))
+
+
+def test_auto_measures_dict_batches_from_the_sample_batch():
+  batch = _token_batches(1)[0]
+  auto = parstrat.Auto(candidates=("data_parallel",), devices=jax.devices()[:2], verbose=False)
+  trainer = auto(TOKEN_MODEL, optax.sgd(0.1), model_inputs=dict_inputs, loss_fn=weighted_loss)
+  with pytest.raises(ValueError, match=r"'auto' needs the batch's layout: pass .*sample_batch"):
+    trainer.init(jax.random.key(0), dict_inputs(batch))
+  state = trainer.init(jax.random.key(0), dict_inputs(batch), sample_batch=batch)
+  assert type(trainer.strategy) is parstrat.DataParallel
+  state, metrics = trainer.step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_model_inputs_are_checked_against_the_sample():
+  batch = _token_batches(1)[0]
+  trainer = parstrat.DataParallel(data=4)(
+    TOKEN_MODEL, optax.sgd(0.1), model_inputs=dict_inputs, loss_fn=weighted_loss
+  )
+  state = trainer.init(jax.random.key(0), dict_inputs(batch))
+  wrong = {**batch, "scale": batch["scale"].astype(np.float16)}
+  with pytest.raises(TypeError, match=r"model_inputs\(batch\)\[1\] must have dtype float32"):
+    trainer.step(state, wrong)
+  # sample_batch fixes the layout at init: the first step is checked against it.
+  half = {**batch, "weight": batch["weight"].astype(np.float16)}
+  state = trainer.init(jax.random.key(0), dict_inputs(batch), sample_batch=half)
+  with pytest.raises(
+    TypeError, match=r"batch\['weight'\] must have dtype float16 like the sample_b"
+  ):
+    trainer.step(state, batch)
+  with pytest.raises(TypeError, match=r"pass a loss_fn\(outputs, batch\)"):
+    parstrat.DataParallel()(TOKEN_MODEL, optax.sgd(0.1), model_inputs=dict_inputs)
+
+
+# ------------------------------------------------------------------ pytree outputs
+def _two_heads(x):
+  h = jax.nn.relu(hk.Linear(16)(x))
+  return {"logits": hk.Linear(CLASSES)(h), "score": hk.Linear(1)(h)[:, 0]}
+
+
+TWO_HEADS = hk.transform(_two_heads)
+
+
+def two_head_loss(outputs, labels):
+  return softmax_cross_entropy(outputs["logits"], labels) + 0.1 * jnp.mean(outputs["score"] ** 2)
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
+def test_models_with_several_outputs_match_jit(name):
+  parstrat.testing.check_strategy(
+    STRATEGIES[name], TWO_HEADS, [optax.sgd(0.1)], steps=2, batch=16, features=8,
+    loss_fn=two_head_loss,
+  )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["pipeline", "hybrid"])
+def test_pipelines_refuse_several_outputs_clearly(name):
+  trainer = STRATEGIES[name](TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss)
+  with pytest.raises(ValueError, match=r"returns 2 \(a pytree of outputs\).*data_parallel, fsdp"):
+    trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+
+
+# ------------------------------------------------------------------ randomness
+def _dropout_net(rate):
+  def net(x):
+    h = jax.nn.relu(hk.Linear(16)(x))
+    h = hk.dropout(hk.next_rng_key(), rate, h)
+    return hk.Linear(CLASSES)(h)
+
+  return hk.transform(net)
+
+
+NO_DROPOUT, DROPOUT = _dropout_net(0.0), _dropout_net(0.5)
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
+def test_dropout_at_rate_zero_matches_jit(name):
+  # The model calls hk.next_rng_key(), so the trainer draws keys, but the values do
+  # not depend on them: every strategy that takes it must match jit exactly.
+  parstrat.testing.check_strategy(
+    STRATEGIES[name], NO_DROPOUT, [optax.sgd(0.1)], steps=3, batch=16, features=8
+  )
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tensor"])
+def test_real_dropout_on_global_layouts_matches_jit_key_for_key(name):
+  # One key per step for the whole batch, and JAX's partitionable threefry draws the
+  # same mask however the batch is laid out: the reference with the same keys agrees.
+  parstrat.testing.check_strategy(
+    STRATEGIES[name], DROPOUT, [optax.sgd(0.1)], steps=3, batch=16, features=8
+  )
+
+
+def test_data_parallel_dropout_folds_in_each_devices_index():
+  data, rng = 2, jax.random.key(3)
+  images, labels = parstrat.testing.random_batches(2, 8, features=8)
+  trainer = parstrat.DataParallel(data=data, debug=True)(DROPOUT, optax.sgd(0.1))
+  state = trainer.init(rng, images[0][:1])
+  assert trainer.uses_rng
+  for step in range(2):
+    params = trainer.params(state)
+    # The documented derivation: step t's key is fold_in(fold_in(rng, 1), t); device d
+    # (along "data") folds in d and computes the loss of its block.
+    step_key = jax.random.fold_in(jax.random.fold_in(rng, 1), step)
+    blocks = zip(np.split(images[step], data), np.split(labels[step], data), strict=True)
+    expected = np.mean([
+      softmax_cross_entropy(DROPOUT.apply(params, jax.random.fold_in(step_key, d), x), y)
+      for d, (x, y) in enumerate(blocks)
+    ])  # fmt: skip
+    state, metrics = trainer.step(state, (images[step], labels[step]))
+    np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+  with pytest.raises(
+    ValueError, match=r"calls hk.next_rng_key\(\): pass apply\(state, inputs, rng="
+  ):
+    trainer.apply(state, images[0])
+  assert trainer.apply(state, images[0], rng=jax.random.key(0)).shape == (8, CLASSES)
+
+
+@pytest.mark.parametrize("name", ["pipeline", "hybrid"])
+def test_layouts_without_keys_refuse_dropout_at_init(name):
+  trainer = STRATEGIES[name](NO_DROPOUT, optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"cannot train a model that calls hk.next_rng_key\(\)"):
+    trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+
+
+# ------------------------------------------------------------------ model state
+def _running_mean(x):
+  """State that is affine in the batch mean (so averaging over replicas is exact)."""
+  mean = hk.get_state("mean", [x.shape[-1]], init=jnp.zeros)
+  count = hk.get_state("count", [], jnp.int32, init=jnp.zeros)
+  hk.set_state("mean", 0.9 * mean + 0.1 * jnp.mean(x, axis=0))
+  hk.set_state("count", count + 1)
+  h = jax.nn.relu(hk.Linear(16)(x - mean))
+  return hk.Linear(CLASSES)(h)
+
+
+RUNNING_MEAN = hk.transform_with_state(_running_mean)
+
+
+def _batch_norm(x):
+  h = hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)(
+    hk.Linear(16)(x), is_training=True
+  )
+  return hk.Linear(CLASSES)(jax.nn.relu(h))
+
+
+BATCH_NORM = hk.transform_with_state(_batch_norm)
+
+
+@pytest.mark.parametrize(
+  "name, accumulate, adam",
+  [("data_parallel", 1, True), ("data_parallel", 2, False), ("fsdp", 1, False)],
+)
+def test_state_affine_in_the_batch_matches_jit(name, accumulate, adam):
+  optimizers = [optax.sgd(0.1)] + ([optax.adam(1e-2)] if adam else [])
+  parstrat.testing.check_strategy(
+    STRATEGIES[name], RUNNING_MEAN, optimizers, steps=3, batch=16, features=8,
+    accumulate=accumulate,
+  )  # fmt: skip
+
+
+def test_batch_norm_on_fsdp_is_the_whole_batch_statistics():
+  parstrat.testing.check_strategy(
+    STRATEGIES["fsdp"], BATCH_NORM, [optax.sgd(0.1)], steps=2, batch=16, features=8
+  )
+
+
+def test_batch_norm_trains_under_data_parallel_and_replicas_agree():
+  images, labels = parstrat.testing.random_batches(3, 16, features=8)
+  trainer = parstrat.DataParallel(data=4, debug=True)(BATCH_NORM, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  initial = jax.tree.map(np.asarray, state.model_state)
+  losses = []
+  for x, y in zip(images, labels, strict=True):
+    state, metrics = trainer.step(state, (x, y))  # debug: replicas checked after each step
+    losses.append(float(metrics["loss"]))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+  moved = jax.tree.map(lambda a, b: not np.allclose(a, b), initial, state.model_state)
+  assert any(jax.tree.leaves(moved)), "BatchNorm's moving averages never changed"
+
+
+@pytest.mark.parametrize("name", ["tensor", "pipeline", "hybrid"])
+def test_other_layouts_refuse_state_naming_the_strategy(name):
+  trainer = STRATEGIES[name](RUNNING_MEAN, optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"\w+\(.*\) cannot train a model with state .*'~'"):
+    trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+
+
+def test_rng_and_model_state_travel_with_the_exported_state(tmp_path):
+  images, labels = parstrat.testing.random_batches(1, 16, features=8)
+  source = parstrat.DataParallel(data=4)(RUNNING_MEAN, optax.sgd(0.1))
+  state = source.init(jax.random.key(5), images[0][:1])
+  state, _ = source.step(state, (images[0], labels[0]))
+  exported = source.export_state(state)
+  assert int(exported["model_state"]["~"]["count"]) == 1
+  target = parstrat.FSDP(data=2)(RUNNING_MEAN, optax.sgd(0.1))
+  target.init(jax.random.key(0), images[0][:1])
+  again = target.export_state(target.import_state(exported))
+  jax.tree.map(np.testing.assert_array_equal, again, exported)
+  with pytest.raises(ValueError, match="saved model_state do not fit"):
+    target.import_state({**exported, "model_state": {}})
+  with Checkpointer(tmp_path, save_every=1) as checkpoints:  # a checkpoint holds them too
+    checkpoints.save(source, state, {}, force=True)
+    restored, _ = checkpoints.restore(target)
+  jax.tree.map(np.testing.assert_array_equal, target.export_state(restored), exported)
+
+
+# ------------------------------------------------------------------ apply
+def test_apply_does_not_need_a_multiple_of_accumulate():
+  trainer = parstrat.DataParallel(data=2)(
+    TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss, accumulate=4
+  )
+  state = trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+  outputs = trainer.apply(state, np.ones((2, 8), np.float32))
+  assert outputs["logits"].shape == (2, CLASSES) and outputs["score"].shape == (2,)
+  with pytest.raises(ValueError, match=r"batch size of the batch must be a positive multiple of 8"):
+    trainer.step(state, (np.ones((2, 8), np.float32), np.zeros((2,), np.int32)))
