@@ -172,6 +172,7 @@ def train(
   seed: int = 0,
   batch_size: int = BATCH_SIZE,
   seq_len: int = SEQ_LEN,
+  eval_batches: int | None = None,
   **config,
 ) -> Result:
   """Trains the LM under `strategy` (a registered name, or a `parstrat.Strategy`).
@@ -183,6 +184,7 @@ def train(
     tied, **config: the model (see `causal_lm`).
     seed: params and batch order.
     batch_size, seq_len: the batches (see `dataset`).
+    eval_batches: evaluate on the first this many held-out batches (default: all).
 
   Returns:
     A `Result`: per-step losses, final params, the mean eval loss, the mesh.
@@ -192,7 +194,7 @@ def train(
   if isinstance(strategy, str):
     strategy = parstrat.get(strategy, **STRATEGIES[strategy])
   net, loss = model(tied=tied, **config)
-  train_batches, eval_batches = dataset(batch_size, seq_len, seed)
+  train_batches, held_out = dataset(batch_size, seq_len, seed)
   trainer = strategy(net, optax.adam(3e-3) if optimizer is None else optimizer, loss_fn=loss)
   state = trainer.init(jax.random.key(seed), train_batches[0][0][:1])
   losses = []
@@ -201,7 +203,7 @@ def train(
     losses.append(float(metrics["loss"]))
   params = trainer.params(state)
   evaluate = jax.jit(lambda p, x, y: loss(net.apply(p, None, x), y))
-  eval_loss = float(np.mean([evaluate(params, x, y) for x, y in eval_batches]))
+  eval_loss = float(np.mean([evaluate(params, x, y) for x, y in held_out[:eval_batches]]))
   return Result(losses, params, eval_loss, dict(trainer.mesh.shape))
 
 

@@ -47,20 +47,29 @@ class ModelSpec:
     name: short name used in test ids.
     model: the `hk.Transformed`.
     batches: `(steps, batch, seed) -> list of (inputs, labels)`, deterministic.
-    loss_fn: `(outputs, labels) -> scalar` mean loss, or None for the default
-      softmax cross-entropy on `[B]` integer labels.
+    loss_fn: `(outputs, labels) -> scalar` mean loss (or `(outputs, batch)`
+      with `model_inputs`), or None for the default softmax cross-entropy on
+      `[B]` integer labels.
+    model_inputs: for batches that are not `(inputs, labels)` pairs, `batch ->
+      inputs` (the trainer's `model_inputs`).
     uses_rng: the model calls `hk.next_rng_key()` (its apply needs a key).
   """
 
   name: str
   model: hk.Transformed
   batches: Callable[[int, int, int], list[tuple[Any, Any]]]
-  loss_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  loss_fn: Callable[[jax.Array, Any], jax.Array] | None = None
+  model_inputs: Callable[[Any], Any] | None = None
   uses_rng: bool = False
 
   def sample(self, seed: int = 0) -> Any:
     """One example's inputs (batch of 1), for `trainer.init`."""
-    return self.batches(1, 1, seed)[0][0]
+    batch = self.batches(1, 1, seed)[0]
+    return batch[0] if self.model_inputs is None else self.model_inputs(batch)
+
+  def trainer_options(self) -> dict[str, Any]:
+    """`loss_fn` and `model_inputs` for `strategy(model, optimizer, **options)`."""
+    return {"loss_fn": self.loss_fn, "model_inputs": self.model_inputs}
 
 
 # ---------------------------------------------------------------- data
@@ -107,6 +116,16 @@ def token_batches(steps: int, batch: int, seed: int = 0) -> list[tuple[Any, Any]
 def token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy over every position: logits `[B, T, V]`, targets `[B, T]`."""
   return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def token_dict_batches(steps: int, batch: int, seed: int = 0) -> list[dict[str, Any]]:
+  """`token_batches` as dicts `{"tokens", "targets"}`."""
+  return [{"tokens": x, "targets": y} for x, y in token_batches(steps, batch, seed)]
+
+
+def token_dict_loss(logits: jax.Array, batch: dict[str, Any]) -> jax.Array:
+  """`token_loss` on a `{"tokens", "targets"}` batch."""
+  return token_loss(logits, batch["targets"])
 
 
 # ---------------------------------------------------------------- models
@@ -183,7 +202,14 @@ MLP_LAYERNORM = ModelSpec("mlp_layernorm", hk.transform(_mlp_layernorm), feature
 RESIDUAL_MLP = ModelSpec("residual_mlp", hk.transform(_residual_mlp), feature_batches)
 CNN = ModelSpec("cnn", hk.transform(_cnn), image_batches)
 LM = ModelSpec("lm", transformer_lm(tied=True), token_batches, token_loss)
-LM_UNTIED = ModelSpec("lm_untied", transformer_lm(tied=False), token_batches, token_loss)
+#: The untied LM takes dict batches `{"tokens", "targets"}`.
+LM_UNTIED = ModelSpec(
+  "lm_untied",
+  transformer_lm(tied=False),
+  token_dict_batches,
+  token_dict_loss,
+  model_inputs=lambda batch: batch["tokens"],
+)
 SHARED = ModelSpec("shared", hk.transform(_shared_weights), feature_batches)
 #: Rate 0: it draws keys like any dropout model but must match jit exactly.
 DROPOUT = ModelSpec("dropout", hk.transform(dropout_mlp(0.0)), feature_batches, uses_rng=True)
@@ -226,18 +252,21 @@ ADAM_LIKE = ("adam", "adamw_mask")
 # ---------------------------------------------------------------- the oracle
 def jit_run(
   spec: ModelSpec, optimizer: optax.GradientTransformation, steps: int, batch: int, seed: int
-) -> tuple[list[float], Any]:
-  """Plain single-device jit training (`parstrat.testing.reference_run`) on `spec`'s batches.
+) -> parstrat.testing.Reference:
+  """Plain single-device jit training (`parstrat.testing.reference_train`) on `spec`'s batches.
 
-  Params come from `spec.model.init` with `jax.random.key(seed)`. A model that
-  draws random numbers gets the fixed key `seed + 1` (its dropout rate is 0
-  in the matrix, so any key gives the same numbers).
+  Params come from `spec.model.init` with `jax.random.key(seed)`, the key a
+  trainer is initialised with; a model that draws randomness gets the keys a
+  trainer derives from it.
   """
-  model = spec.model
-  if spec.uses_rng:
-    key = jax.random.key(seed + 1)
-    model = hk.Transformed(model.init, lambda params, _, x: spec.model.apply(params, key, x))
-  params = jax.jit(spec.model.init)(jax.random.key(seed), spec.sample())
-  inputs, labels = zip(*spec.batches(steps, batch, seed), strict=True)
-  loss_fn = spec.loss_fn or parstrat.softmax_cross_entropy
-  return parstrat.testing.reference_run(model, optimizer, inputs, labels, params, loss_fn)
+  key = jax.random.key(seed)
+  params = jax.jit(spec.model.init)(key, spec.sample())
+  return parstrat.testing.reference_train(
+    spec.model,
+    optimizer,
+    spec.batches(steps, batch, seed),
+    params,
+    loss_fn=spec.loss_fn or parstrat.softmax_cross_entropy,
+    model_inputs=spec.model_inputs,
+    rng=key if spec.uses_rng else None,
+  )

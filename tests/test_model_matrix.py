@@ -18,11 +18,6 @@ checks those properties.
 from __future__ import annotations
 
 import functools
-import os
-import pickle
-import subprocess
-import sys
-import textwrap
 
 import jax
 import models
@@ -68,12 +63,10 @@ STRATEGIES = {
 MATCH = "match"
 #: The pipeline stores each stage's params as one flat buffer: per-leaf optimizers are refused.
 FLAT_BUFFER = "the optimizer does not act leaf by leaf"
+#: The pipeline passes no PRNG key to the model.
+NO_RNG = "cannot train a model that calls hk.next_rng_key()"
 #: A tied LM head reuses the embedding across any cut.
 TIED_REFUSAL = "the parameters of 'embed' are used both before and after"
-
-# Reasons of the cases that wait for the rest of issue 12 (other branches).
-PENDING_RNG = "pending #12 rng: models calling hk.next_rng_key (i12a)"
-PENDING_INT = "pending #12 integer inputs (i12a)"
 
 #: case (strategy id, model, optimizer) -> MATCH or a substring of the refusal.
 EXPECTED = {
@@ -113,16 +106,16 @@ EXPECTED = {
   ("pipeline:2", "lm_untied", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "shared", "clip_sgd"): "layers 'shared' and 'middle' are used interleaved",
   ("pipeline:2", "shared", "adam"): MATCH,
-  ("pipeline:4,gpipe", "dropout", "sgd_momentum"): MATCH,
+  ("pipeline:4,gpipe", "dropout", "sgd_momentum"): NO_RNG,
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
-  ("hybrid:4x2", "mlp_layernorm", "clip_sgd"): MATCH,
+  ("hybrid:4x2", "mlp_layernorm", "adamw_mask"): FLAT_BUFFER,
   ("hybrid:2x2x2", "residual_mlp", "clip_sgd"): MATCH,
   ("hybrid:4x2", "cnn", "multisteps"): MATCH,
   ("hybrid:4x2", "lm", "sgd_momentum"): TIED_REFUSAL,
   ("hybrid:2x2x2", "lm_untied", "adam"): MATCH,
   ("hybrid:2x2x2", "shared", "adam"): MATCH,
-  ("hybrid:4x2", "dropout", "adamw_mask"): FLAT_BUFFER,
+  ("hybrid:4x2", "dropout", "clip_sgd"): NO_RNG,
   # auto
   ("auto:8", "mlp", "multisteps"): MATCH,
   ("auto:4", "mlp_layernorm", "adamw_mask"): MATCH,
@@ -132,17 +125,6 @@ EXPECTED = {
   ("auto:4", "lm_untied", "sgd_momentum"): MATCH,
   ("auto:8", "shared", "clip_sgd"): MATCH,
   ("auto:4", "dropout", "sgd_momentum"): MATCH,
-}
-
-#: Cases that cannot pass until the rest of issue 12 is merged: case -> reason.
-PENDING = {
-  **{case: PENDING_RNG for case in EXPECTED if case[1] == "dropout"},
-  **{case: PENDING_INT for case in EXPECTED if case[1] in ("lm", "lm_untied")},
-}
-
-#: Cases that abort or hang the process today: run only in a subprocess.
-ISOLATE = {
-  ("hybrid:2x2x2", "lm_untied", "adam"),
 }
 
 
@@ -158,75 +140,48 @@ def _reference(model_name: str, optimizer_name: str):
 
 
 def run_case(strategy_id: str, model_name: str, optimizer_name: str) -> dict:
-  """Trains one case; returns {"losses", "params"} or {"refused": "Type: message"}."""
+  """Trains one case: {"losses", "grad_norms", "params", "chosen"} or {"refused": message}."""
   spec = models.ZOO[model_name]
   trainer = STRATEGIES[strategy_id]()(
-    spec.model, models.optimizers()[optimizer_name], loss_fn=spec.loss_fn
+    spec.model, models.optimizers()[optimizer_name], **spec.trainer_options()
   )
   try:
-    state = trainer.init(jax.random.key(SEED), spec.sample())
-    losses = []
+    # The sample batch tells "auto" the labels' layout to measure its candidates with.
+    sample_batch = spec.batches(1, 1, SEED)[0]
+    state = trainer.init(jax.random.key(SEED), spec.sample(), sample_batch=sample_batch)
+    losses, norms = [], []
     for batch in spec.batches(STEPS, BATCH, SEED):
       state, metrics = trainer.step(state, batch)
       losses.append(float(metrics["loss"]))
+      norms.append(float(metrics["grad_norm"]))
   except (ValueError, TypeError, NotImplementedError) as e:
     return {"refused": f"{type(e).__name__}: {e}"}
   checks.assert_replicas_equal(state)
   params = jax.tree.map(np.asarray, trainer.params(state))
-  return {"losses": losses, "params": params, "chosen": repr(trainer.strategy)}
-
-
-def _run_isolated(case, timeout: float = 240) -> dict:
-  """`run_case` in a fresh interpreter, for cases that abort or hang the process today."""
-  code = textwrap.dedent(
-    f"""
-    import sys, json, pickle
-    import parstrat.testing
-    parstrat.testing.use_cpu_devices(8)
-    sys.path.insert(0, {os.path.dirname(__file__)!r})
-    import jax, numpy as np
-    import test_model_matrix as t
-    out = t.run_case(*{case!r})
-    sys.stdout.buffer.write(b"RESULT" + pickle.dumps(out))
-    """
-  )
-  try:
-    proc = subprocess.run(
-      [sys.executable, "-c", code], capture_output=True, timeout=timeout, check=False
-    )
-  except subprocess.TimeoutExpired:
-    return {"crashed": f"no result after {timeout} s (hang)"}
-  if b"RESULT" not in proc.stdout:
-    tail = proc.stderr.decode(errors="replace").strip().splitlines()[-3:]
-    return {"crashed": f"exit code {proc.returncode}: {' | '.join(tail)[:500]}"}
-  return pickle.loads(proc.stdout.split(b"RESULT", 1)[1])
-
-
-def _param(case):
-  marks = []
-  if case in PENDING:
-    marks.append(pytest.mark.xfail(strict=True, reason=PENDING[case]))
-  return pytest.param(*case, id="-".join(case), marks=marks)
+  return {"losses": losses, "grad_norms": norms, "params": params, "chosen": repr(trainer.strategy)}
 
 
 @pytest.mark.parametrize(
-  ("strategy_id", "model_name", "optimizer_name"), [_param(c) for c in EXPECTED]
+  ("strategy_id", "model_name", "optimizer_name"),
+  [pytest.param(*case, id="-".join(case)) for case in EXPECTED],
 )
 def test_case(strategy_id, model_name, optimizer_name):
   case = (strategy_id, model_name, optimizer_name)
   expected = EXPECTED[case]
-  out = _run_isolated(case) if case in ISOLATE else run_case(*case)
-  assert "crashed" not in out, f"{case} crashed: {out.get('crashed')}"
+  out = run_case(*case)
   if expected != MATCH:
     assert "refused" in out, f"{case} trained, but should be refused with {expected!r}"
     assert expected in out["refused"], f"{case} was refused for another reason: {out['refused']}"
     return
   assert "refused" not in out, f"{case} was refused: {out.get('refused')}"
-  ref_losses, ref_params = _reference(model_name, optimizer_name)
-  np.testing.assert_allclose(out["losses"], ref_losses, rtol=TOL, atol=TOL, err_msg=str(case))
+  ref = _reference(model_name, optimizer_name)
+  np.testing.assert_allclose(out["losses"], ref.losses, rtol=TOL, atol=TOL, err_msg=str(case))
+  np.testing.assert_allclose(
+    out["grad_norms"], ref.grad_norms, rtol=TOL, atol=TOL, err_msg=f"{case}: grad_norm"
+  )
   param_tol = ADAM_PARAM_TOL if optimizer_name in models.ADAM_LIKE else TOL
   close = jax.tree.map(
-    lambda a, b: bool(np.allclose(a, b, rtol=TOL, atol=param_tol)), out["params"], ref_params
+    lambda a, b: bool(np.allclose(a, b, rtol=TOL, atol=param_tol)), out["params"], ref.params
   )
   bad = [jax.tree_util.keystr(p) for p, ok in jax.tree_util.tree_leaves_with_path(close) if not ok]
   assert not bad, f"{case} ({out['chosen']}): params differ from jit at {bad}"
@@ -243,15 +198,14 @@ def test_the_table_covers_every_strategy_model_optimizer_and_mesh():
     want = {("model", m) for m in models.ZOO} | {("optimizer", o) for o in models.optimizers()}
     want |= {m for m in meshes if _strategy_name(m[1]) == name}
     assert want <= seen, f"{name} misses {sorted(want - seen)}"
-  assert set(PENDING) <= set(EXPECTED) and ISOLATE <= set(EXPECTED)
   assert {("mesh", "hybrid:2x2x2")} <= meshes  # data x stage x model
 
 
 def test_the_adamw_mask_is_visible_at_these_tolerances():
   """Were the mask ignored (biases and LayerNorm decayed), the params would differ."""
-  _, masked = _reference("mlp_layernorm", "adamw_mask")
+  masked = _reference("mlp_layernorm", "adamw_mask").params
   unmasked = optax.adamw(models.ADAMW_LR, weight_decay=models.ADAMW_DECAY)
-  _, decayed = models.jit_run(models.MLP_LAYERNORM, unmasked, STEPS, BATCH, SEED)
+  decayed = models.jit_run(models.MLP_LAYERNORM, unmasked, STEPS, BATCH, SEED).params
   for layer, leaf in (("linear", "b"), ("layer_norm", "scale")):
     diff = np.max(np.abs(masked[layer][leaf] - decayed[layer][leaf]))
     assert diff > 5 * ADAM_PARAM_TOL, (layer, leaf, diff)
