@@ -11,16 +11,21 @@ are pairs `(tokens [B, T] int32, targets [B, T] int32)`, the targets being the
 tokens shifted by one.
 
 `main` trains the same model from the same seed on the same batches under
-data_parallel, pipeline, hybrid, fsdp and tensor and prints their losses; they
-agree to rounding (tests/test_transformer_lm.py checks each against plain
-`jax.jit` step by step).
+data_parallel, pipeline, hybrid, fsdp and tensor with Adam and prints their
+losses. Each strategy computes the same step as plain `jax.jit` up to float
+rounding (tests/test_transformer_lm.py checks that step by step, with SGD and
+Adam); Adam amplifies those rounding differences over tens of steps, so the
+printed losses agree to about 1e-6 for the first few steps and to a few
+hundredths after 50 (with SGD they stay within 1e-5). With `--tied` the
+pipeline and hybrid refuse the model: the head reuses the embedding, a weight
+on both sides of every cut.
 
 The module-level `model` and `dataset` are what `parstrat train --model-fn
 examples/transformer_lm.py:model --dataset examples/transformer_lm.py:dataset`
 loads: `model()` returns `(hk.Transformed, loss_fn)` and `dataset(...)`
 returns `(train, eval)` lists of batches.
 
-Run: python examples/transformer_lm.py [--steps 60] [--tied]
+Run: python examples/transformer_lm.py [--steps 50] [--tied]
 """
 
 from __future__ import annotations
@@ -207,10 +212,14 @@ def train(
   return Result(losses, params, eval_loss, dict(trainer.mesh.shape))
 
 
-def main(steps: int = 60, tied: bool = False) -> dict[str, Result]:
+def main(steps: int = 50, tied: bool = False) -> dict[str, Result]:
   results = {}
   for name in STRATEGIES:
-    result = results[name] = train(name, steps, tied=tied)
+    try:
+      result = results[name] = train(name, steps, tied=tied)
+    except ValueError as e:  # e.g. a tied head under the pipeline
+      print(f"{name:14} refused: {str(e).splitlines()[0]}")
+      continue
     losses = result.losses
     shown = ", ".join(f"{losses[i]:.4f}" for i in (0, steps // 2, steps - 1))
     print(
@@ -222,7 +231,7 @@ def main(steps: int = 60, tied: bool = False) -> dict[str, Result]:
 
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--tied", action="store_true", help="tie the head to the embedding")
   args = parser.parse_args()
   import parstrat.testing

@@ -104,8 +104,8 @@ EXPECTED = {
   ("pipeline:2", "cnn", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "lm", "clip_sgd"): TIED_REFUSAL,
   ("pipeline:2", "lm_untied", "sgd_momentum"): MATCH,
-  ("pipeline:4,gpipe", "shared", "clip_sgd"): "layers 'shared' and 'middle' are used interleaved",
-  ("pipeline:2", "shared", "adam"): MATCH,
+  ("pipeline:4,gpipe", "shared", "adam"): "layers 'shared' and 'middle' are used interleaved",
+  ("pipeline:2", "shared", "clip_sgd"): MATCH,
   ("pipeline:4,gpipe", "dropout", "sgd_momentum"): NO_RNG,
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
