@@ -311,7 +311,10 @@ def test_rng_and_model_state_travel_with_the_exported_state(tmp_path):
   target.init(jax.random.key(0), images[0][:1])
   again = target.export_state(target.import_state(exported))
   jax.tree.map(np.testing.assert_array_equal, again, exported)
-  with pytest.raises(ValueError, match="saved model_state do not fit"):
+  with pytest.raises(
+    ValueError,
+    match=r"saved state does not fit this model: model_state\[.~.\]\[.count.\] is missing",
+  ):
     target.import_state({**exported, "model_state": {}})
   with Checkpointer(tmp_path, save_every=1) as checkpoints:  # a checkpoint holds them too
     checkpoints.save(source, state, {}, force=True)

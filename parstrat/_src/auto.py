@@ -113,7 +113,12 @@ class ModelStats:
 
   @classmethod
   def of(
-    cls, model, sample_params, sample_inputs: Any, model_state: Any = None, parts: int = 2
+    cls,
+    model,
+    sample_params,
+    sample_inputs: Any,
+    parts: int = 2,
+    model_state: Any = None,
   ) -> ModelStats:
     """Reads the stats off the model's jaxpr.
 
@@ -126,8 +131,8 @@ class ModelStats:
       model: an `hk.Transformed` or `hk.TransformedWithState`.
       sample_params: abstract params.
       sample_inputs: abstract model inputs (a pytree of batch-leading values).
+      parts: the size of the "model" axis the tensor terms are for.
       model_state: the state of a stateful model (arrays; default empty).
-      parts: the size of the "model" axis the tensor-parallel terms are for.
     """
     apply = outputs_fn(as_stateful(model), model_state)
     batch = max(int(jax.tree.leaves(sample_inputs)[0].shape[0]), 1)
@@ -500,7 +505,7 @@ class Auto(Strategy):
     )
     model_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
     stats_for = functools.cache(
-      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, model_state, parts)
+      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, parts, model_state)
     )
     options = dict(
       loss_fn=loss_fn,

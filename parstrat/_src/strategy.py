@@ -36,6 +36,7 @@ from parstrat._src import checks
 from parstrat._src import distributed
 from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
+from parstrat._src import trees
 
 Params = Any  # a pytree in the model's own (Haiku) layout
 #: `(outputs, labels) -> scalar` for `(inputs, labels)` batches, or
@@ -304,9 +305,10 @@ class Strategy(abc.ABC):
       model_inputs: `batch -> inputs`, run inside the compiled step on the
         global batch; every leaf it returns must keep the batch axis (e.g.
         `lambda batch: batch["tokens"]`). None: batches are `(inputs, labels)`.
-      skip_nonfinite: when the loss or the gradient norm of a step is NaN or
-        infinite, keep the previous params and optimizer state (and step
-        count); `metrics["finite"]` says whether the update was applied.
+      skip_nonfinite: when the loss, the gradient norm, or the updated params
+        or optimizer state of a step hold a NaN or infinity, keep the previous
+        params and optimizer state (and step count); `metrics["finite"]` says
+        whether the update was applied.
       precision: mixed precision, applied with jmp around the model's `apply`:
         "mixed_bfloat16" computes in bfloat16 with params, optimizer state and
         loss in float32; also a jmp policy string or a `jmp.Policy`. Default:
@@ -531,7 +533,8 @@ class Trainer:
     self.model = model
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
-    self.uses_default_loss = loss_fn is None
+    # The label metric and checks are for the default loss on (inputs, labels).
+    self.uses_default_loss = self.loss_fn is softmax_cross_entropy and model_inputs is None
     #: `batch -> model inputs`, or None for `(inputs, labels)` batches.
     self.model_inputs = model_inputs
     self.skip_nonfinite = bool(skip_nonfinite)
@@ -813,6 +816,7 @@ class Trainer:
 
     optimizer = self.optimizer
     skip_nonfinite = self.skip_nonfinite
+    uses_default_loss = self.uses_default_loss
     uses_rng = self.uses_rng
     inputs_of, targets_of = self._inputs_of, self._targets_of
 
@@ -827,8 +831,16 @@ class Trainer:
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_state = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
+        # The new params and optimizer state are checked too (a finite gradient
+        # still gives NaN params with an infinite learning rate). Only here: on
+        # sharded params the check costs one more (scalar) collective.
+        finite = finite & trees.all_finite((params, opt_state))
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
       metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+      if uses_default_loss:  # (inputs, labels) pairs
+        classes = self._num_classes(batch[0])
+        labels = batch[1]
+        metrics["labels_in_range"] = jnp.all((labels >= 0) & (labels < classes))
       return new_state, metrics
 
     # Pinning the output shardings to the input's keeps the state a fixed
@@ -950,15 +962,24 @@ class Trainer:
     Returns:
       `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
       scalars (`grad_norm` is the global norm of the gradients averaged over
-      the batch; `finite` is False when the loss or gradients were NaN or
-      infinite; with `skip_nonfinite=True` that update was not applied).
+      the batch; `finite` is False when the loss or the gradients hold a NaN or
+      infinity, and with `skip_nonfinite=True` also the new params or optimizer
+      state; then that update was not applied). With the default loss, also
+      `"labels_in_range"`: every label is a class id in `[0, C)`, C the model's
+      output width (out-of-range labels do not stop the step unless
+      `debug=True`).
 
     Raises:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
-        so `state` stays usable).
+        so `state` stays usable), a state that was already donated to an
+        earlier `step` or belongs to another trainer, or (with `debug=True`
+        and the default loss) labels outside `[0, C)`.
     """
+    self._check_state(state, "step")
     batch = self._check_batch(batch)
     batch = jax.device_put(batch, self._batch_sharding())
+    if self.strategy.debug and self.uses_default_loss:
+      self._check_label_range(*batch)
     state, metrics = self._compiled_step(state, batch)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
@@ -1032,6 +1053,7 @@ class Trainer:
       TypeError, ValueError: for inputs unlike the sample, or a missing `rng`.
     """
     self.plan  # noqa: B018 - raises a clear error before init
+    self._check_state(state, "apply")
     inputs = self._to_global(_arrays("inputs", inputs))
     _check_like("inputs", inputs, self._input_spec, "the sample_inputs given to init")
     self._check_batch_size(_batch_size("inputs", inputs), "inputs", accumulate=1)
@@ -1047,6 +1069,55 @@ class Trainer:
     inputs = jax.device_put(inputs, self._batch_sharding())
     return self._compiled_apply(state.params, state.model_state, key, inputs)
 
+  # ----------------------------------------------------------------- guards
+  def _check_state(self, state: Any, what: str) -> None:
+    """Refuses a donated state, or one of another trainer, before JAX sees it.
+
+    JAX 0.10 can crash the process (a segfault) on a deleted multi-device
+    array, and a foreign tree fails deep inside `jit`; both are caught here.
+
+    Raises:
+      ValueError: naming the deleted or mismatched leaf.
+    """
+    self.plan  # noqa: B018 - raises a clear error before init
+    leaves, treedef = jax.tree.flatten(state)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+          f"{what}: this state was donated to an earlier trainer.step (its leaf "
+          f"{trees.leaf_name(path)} is deleted); pass the state that step returned."
+        )
+    want_leaves, want_treedef = jax.tree.flatten(self._abstract_state)
+    if treedef == want_treedef and all(
+      np.shape(x) == w.shape for x, w in zip(leaves, want_leaves, strict=True)
+    ):
+      return
+    detail = trees.first_mismatch(state, self._abstract_state) or (
+      f"got a {type(state).__name__}, expected the TrainState its init or step returned"
+    )
+    raise ValueError(f"{what}: the state does not belong to this trainer: {detail}.")
+
+  def _num_classes(self, inputs: Any) -> int:
+    """The width C of the model's output for `inputs` (labels must lie in [0, C))."""
+    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    outputs, _ = jax.eval_shape(
+      lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
+      params,
+      self._abstract_state.model_state,
+      _abstract(inputs),
+    )
+    return int(outputs.shape[-1])
+
+  def _check_label_range(self, inputs: jax.Array, labels: jax.Array) -> None:
+    """For `debug=True`: class ids outside [0, C) raise before the step runs."""
+    classes = self._num_classes(inputs)
+    low, high = (int(v) for v in _min_max(labels))
+    if low < 0 or high >= classes:
+      raise ValueError(
+        f"labels must be class ids in [0, {classes}) for the default loss (the model has "
+        f"{classes} outputs), got values from {low} to {high}."
+      )
+
   # ----------------------------------------------------------------- layouts
   def export_state(self, state: TrainState) -> dict[str, Any]:
     """The state in the model's own layout, independent of the strategy.
@@ -1058,6 +1129,7 @@ class Trainer:
     under any strategy and mesh, resumes from it with `import_state`;
     checkpoints store this form.
     """
+    self._check_state(state, "export_state")
     return self._compiled_export(state)
 
   @functools.cached_property
@@ -1084,19 +1156,15 @@ class Trainer:
     plan = self.plan
     params = exported["params"]
     expected = jax.eval_shape(plan.to_params, self._abstract_state.params)
-    for name, got, want in (
-      ("params", params, expected),
-      ("rng", exported.get("rng"), self._abstract_state.rng),
-      ("model_state", exported.get("model_state"), self._abstract_state.model_state),
-    ):
-      got_shapes = jax.tree.map(np.shape, got)
-      want_shapes = jax.tree.map(lambda x: x.shape, want)
-      if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
-        got_shapes
-      ) != jax.tree.leaves(want_shapes):
-        raise ValueError(
-          f"The saved {name} do not fit this model: saved {got_shapes}, expected {want_shapes}."
-        )
+    mismatch = trees.first_mismatch({"params": params}, {"params": expected})
+    if mismatch is not None:
+      raise ValueError(f"The saved params do not fit this model: {mismatch}.")
+    mismatch = trees.first_mismatch(
+      {"rng": exported.get("rng"), "model_state": exported.get("model_state")},
+      {"rng": self._abstract_state.rng, "model_state": self._abstract_state.model_state},
+    )
+    if mismatch is not None:
+      raise ValueError(f"The saved state does not fit this model: {mismatch}.")
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
@@ -1132,6 +1200,7 @@ class Trainer:
     `hk.transform_with_state` model, `model.apply(trainer.params(state),
     state.model_state, rng, x)`).
     """
+    self._check_state(state, "params")
     return self._compiled_params(state.params)
 
 
@@ -1219,6 +1288,11 @@ def _reads_rng(model, params, model_state, inputs) -> bool:
   n = len(jax.tree.leaves(params)) + len(jax.tree.leaves(model_state))
   key_var = jaxpr.jaxpr.invars[n]
   return any(key_var in eqn.invars for eqn in jaxpr.jaxpr.eqns) or key_var in jaxpr.jaxpr.outvars
+
+
+@jax.jit
+def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.min(x), jnp.max(x)
 
 
 def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
