@@ -2,8 +2,10 @@
 
 The example's own `train` (its model, corpus and batches) runs with tiny
 sizes under data_parallel, pipeline, hybrid (data x stage x model), fsdp and
-tensor, with SGD and with Adam; the per-step losses and final params must
-match single-device `jax.jit` on the same batches from the same params. The
+tensor with SGD, and under the pipeline with Adam too; the per-step losses and
+final params must match single-device `jax.jit` on the same batches from the
+same params. (The model matrix runs the same LM with Adam-like optimizers
+under data_parallel, fsdp, tensor, hybrid 2x2x2 and auto.) The
 tied-head variant (and the untied one with dict batches) is in the model
 matrix, tests/test_model_matrix.py, as "lm": it matches under data_parallel,
 fsdp, tensor and auto, and the pipeline and hybrid refuse it naming 'embed'.
@@ -26,7 +28,7 @@ import parstrat.testing
 lm = models.transformer_lm_example
 
 TINY = dict(width=16, heads=2, blocks=2)
-BATCH, SEQ, STEPS = 8, 16, 3
+BATCH, SEQ, STEPS = 8, 8, 3
 TOL = 1e-5
 
 STRATEGIES = {
@@ -80,7 +82,7 @@ def _assert_matches(result: lm.Result, optimizer: str) -> None:
 
 @pytest.mark.parametrize(
   ("strategy", "optimizer"),
-  [(s, o) for s in STRATEGIES for o in OPTIMIZERS],
+  [*((s, "sgd") for s in STRATEGIES), ("pipeline", "adam")],
 )
 def test_untied_lm_matches_jit(strategy, optimizer):
   _assert_matches(_train(strategy, optimizer), optimizer)
