@@ -1,13 +1,14 @@
 """A small zoo of ordinary Haiku models, with their batches and losses, for the tests.
 
-Every model is tiny (widths 8-32) so compiling it is cheap, and deep enough to
-be cut into 4 pipeline stages. Each `ModelSpec` says how to build a batch of
-`batch` examples for a step and which loss to train with; the batches are
-pairs `(inputs, labels)` (float features or images with integer class
-labels, or integer token ids with integer next-token targets).
+Every model is tiny (widths 8-64) so compiling it is cheap; most are deep
+enough to be cut into 4 pipeline stages. Each `ModelSpec` says how to build a
+batch of `batch` examples for a step and which loss to train with; the batches
+are pairs `(inputs, labels)` (float features or images with integer class
+labels, or integer token ids with integer next-token targets), or for the
+untied LM dicts `{"tokens", "targets"}` read through `model_inputs`.
 
 Widths are multiples of 8 so that every tensor-parallel split (T = 2, 4, 8)
-divides them, except where a model is about something else.
+divides them. `jit_run` is the single-device oracle on a spec's batches.
 """
 
 from __future__ import annotations
