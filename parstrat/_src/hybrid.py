@@ -52,35 +52,40 @@ def make_pipeline_plan(
   cuts: Sequence[int] | None,
   bubble_value: float,
   mesh: Mesh | None = None,
+  virtual_stages: int | None = None,
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
-  Params are stored as one flat `[stages, size]` buffer sharded over "stage"
-  (replicated over "data"); the batch is split over "data" and each replica
-  runs the pipeline schedule over its block; gradients are then averaged over
-  "data" only.
+  Params are stored as one flat `[stages * v, size]` buffer sharded over
+  "stage" (replicated over "data"), so each device holds its v chunks' rows
+  (v = virtual_stages, 1 but for "interleaved_1f1b"); the batch is split over
+  "data" and each replica runs the pipeline schedule over its block;
+  gradients are then averaged over "data" only.
 
   When `mesh` also has a "model" axis of size T > 1, each stage's linear
   layers are split over "model" as well, and `_with_model_axis` runs the plan
   in a map that leaves "model" to the partitioner.
   """
   _check_positive("microbatches", microbatches)
-  sched = schedule_lib.build_schedule(schedule, stages, microbatches)
+  sched = schedule_lib.build_schedule(schedule, stages, microbatches, virtual_stages=virtual_stages)
+  v = sched.virtual_stages
 
   def apply(params, x):
     return model.apply(params, None, x)
 
   stage_plan = partition_lib.plan_stages(
-    apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
+    apply, sample_params, sample_inputs, stages * v, balance=balance, cuts=cuts
   )
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
   parts = 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
   notes: list[str] = []
   if parts > 1:
     split_dims, notes = stage_tensor_split(sample_params, stage_plan, parts)
-    layout = engine.SplitLayout.build(sample_params, program.stage_leaves, split_dims, parts, MODEL)
+    layout = engine.SplitLayout.build(
+      sample_params, program.stage_leaves, split_dims, parts, MODEL, devices=stages
+    )
   else:
-    layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
+    layout = engine.FlatLayout.build(sample_params, program.stage_leaves, devices=stages)
 
   @functools.cache
   def staged_for(shape: tuple[int, ...], dtype) -> engine.StagedModel:
@@ -93,26 +98,27 @@ def make_pipeline_plan(
   def microbatch_model(inputs) -> engine.StagedModel:
     return staged_for((inputs.shape[0] // microbatches, *inputs.shape[1:]), inputs.dtype)
 
-  # Each device's block of the stored buffers has a leading stage axis of 1.
-  def row_of(stored):
-    return jax.tree.map(lambda x: x[0], stored)
-
+  # Each device's block of the stored buffers holds its v chunks' rows.
   def loss_and_grad(stored, inputs, labels):
-    loss, grads = engine.pipeline_loss_and_grad(
+    # This replica's loss and gradients; `reduce` averages them over "data".
+    return engine.pipeline_loss_and_grad(
       microbatch_model(inputs),
       sched,
-      row_of(stored),
+      stored,
       inputs,
       labels,
       stage_axis=STAGE,
       bubble_value=bubble_value,
     )
-    # This replica's loss and gradients; `reduce` averages them over "data".
-    return loss, jax.tree.map(lambda g: g[None], grads)
 
   def forward(stored, inputs):
     return engine.pipeline_forward(
-      microbatch_model(inputs), microbatches, row_of(stored), inputs, stage_axis=STAGE
+      microbatch_model(inputs),
+      microbatches,
+      stored,
+      inputs,
+      stage_axis=STAGE,
+      virtual_stages=v,
     )
 
   sizes = layout.stage_sizes
@@ -123,15 +129,17 @@ def make_pipeline_plan(
       f"tensor parallel over model={parts}, within each stage:\n" + "\n".join(notes) + "\n"
     )
   else:
+    rows = f"{v} x " if v > 1 else ""
     buffers = (
-      f"per-device parameter buffer: {layout.size:,} elements "
+      f"per-device parameter buffer: {rows}{layout.size:,} elements "
       f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
     )
+  chunks = f", {v} virtual stages per device" if v > 1 else ""
   description = (
     f"{stage_plan}\n"
     f"{buffers}"
-    f"schedule: {sched.name}, {microbatches} microbatches, {sched.num_ticks} ticks, "
-    f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
+    f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {sched.num_ticks} ticks, "
+    f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
     f"{sched.num_act_slots} activation slot(s) per device"
   )
   plan = Plan(
@@ -305,7 +313,9 @@ class Hybrid(Strategy):
     model: tensor-parallel ways along "model" within each stage (default 1:
       no "model" axis).
     microbatches: microbatches per replica per step (default: `stages`).
-    schedule: "gpipe" or "1f1b".
+    schedule: "gpipe", "1f1b" (default), "zb_h1" or "interleaved_1f1b"; see
+      `PipelineModelParallel`.
+    virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).
@@ -325,6 +335,7 @@ class Hybrid(Strategy):
   model: int = 1
   microbatches: int | None = None
   schedule: str = "1f1b"
+  virtual_stages: int | None = None
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -350,10 +361,7 @@ class Hybrid(Strategy):
     return default_split(n)
 
   def make_mesh(self) -> Mesh:
-    if self.schedule not in schedule_lib.ORDERS:
-      raise ValueError(
-        f"Unknown schedule {self.schedule!r}; choose one of {sorted(schedule_lib.ORDERS)}."
-      )
+    schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
@@ -381,4 +389,5 @@ class Hybrid(Strategy):
       cuts=self.cuts,
       bubble_value=self.bubble_value,
       mesh=mesh,
+      virtual_stages=self.virtual_stages,
     )

@@ -48,6 +48,7 @@ class FlatLayout:
     offsets: per stage, the start offset of each of its leaves.
     size: the buffer length, the largest stage's parameter count.
     dtype: the common dtype of all leaves.
+    order: the model stage each stored row holds (see `stored_order`).
   """
 
   treedef: Any
@@ -56,9 +57,12 @@ class FlatLayout:
   offsets: tuple[tuple[int, ...], ...]
   size: int
   dtype: Any
+  order: tuple[int, ...]
 
   @classmethod
-  def build(cls, params: Any, stage_leaves: tuple[tuple[int, ...], ...]) -> FlatLayout:
+  def build(
+    cls, params: Any, stage_leaves: tuple[tuple[int, ...], ...], devices: int | None = None
+  ) -> FlatLayout:
     leaves, treedef = jax.tree.flatten(params)
     dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) != 1:
@@ -78,18 +82,19 @@ class FlatLayout:
       starts = np.cumsum([0] + [int(np.prod(shapes[i])) for i in group])
       offsets.append(tuple(int(o) for o in starts[:-1]))
       sizes.append(int(starts[-1]))
-    return cls(treedef, shapes, stage_leaves, tuple(offsets), max(sizes), dtypes.pop())
+    order = stored_order(devices or len(stage_leaves), len(stage_leaves))
+    return cls(treedef, shapes, stage_leaves, tuple(offsets), max(sizes), dtypes.pop(), order)
 
   @property
   def stage_sizes(self) -> list[int]:
     return [sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves]
 
   def to_stored(self, params: Any) -> jax.Array:
-    """Model layout -> `[P, size]` stage buffers."""
+    """Model layout -> `[G, size]` stage buffers, in `order`."""
     leaves = jax.tree.leaves(params)
     rows = []
-    for group in self.stage_leaves:
-      flat = [leaves[i].reshape(-1) for i in group]
+    for stage in self.order:
+      flat = [leaves[i].reshape(-1) for i in self.stage_leaves[stage]]
       row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
       rows.append(jnp.pad(row, (0, self.size - row.shape[0])))
     return jnp.stack(rows)
@@ -106,12 +111,25 @@ class FlatLayout:
     return row
 
   def to_params(self, stored: jax.Array) -> Any:
-    """`[P, size]` stage buffers -> model layout."""
+    """`[G, size]` stage buffers -> model layout."""
     leaves: list[Any] = [None] * len(self.shapes)
-    for s, group in enumerate(self.stage_leaves):
-      for i, leaf in zip(group, self.stage_params(s, stored[s]), strict=True):
+    for r, s in enumerate(self.order):
+      for i, leaf in zip(self.stage_leaves[s], self.stage_params(s, stored[r]), strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(self.treedef, leaves)
+
+
+def stored_order(devices: int, model_stages: int) -> tuple[int, ...]:
+  """The model stage held by each row of the stored `[G, ...]` buffers.
+
+  Rows are device-major, so sharding the rows over the P devices gives device
+  s its v = G / P chunks, model stages s, s + P, s + 2P, ... (interleaved
+  virtual stages); with v = 1 row s is stage s.
+  """
+  if model_stages % devices:
+    raise ValueError(f"{model_stages} model stages do not split over {devices} devices.")
+  v = model_stages // devices
+  return tuple(j * devices + s for s in range(devices) for j in range(v))
 
 
 def _to_block(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
@@ -149,6 +167,7 @@ class SplitLayout:
       lives in (in elements of one `[parts, k]` row for split leaves).
     split_size: the length of one split row (largest stage, at least 1).
     replicated_size: the length of a replicated row (largest stage, at least 1).
+    order: the model stage each stored row holds (see `stored_order`).
   """
 
   treedef: Any
@@ -161,6 +180,7 @@ class SplitLayout:
   split_size: int
   replicated_size: int
   dtype: Any
+  order: tuple[int, ...]
 
   @classmethod
   def build(
@@ -170,8 +190,9 @@ class SplitLayout:
     split_dims: tuple[int | None, ...],
     parts: int,
     axis: str,
+    devices: int | None = None,
   ) -> SplitLayout:
-    flat = FlatLayout.build(params, stage_leaves)  # checks dtypes and ownership
+    flat = FlatLayout.build(params, stage_leaves, devices)  # checks dtypes and ownership
     if len(split_dims) != len(flat.shapes):
       raise ValueError(f"split_dims has {len(split_dims)} entries for {len(flat.shapes)} leaves.")
     for i, dim in enumerate(split_dims):
@@ -205,6 +226,7 @@ class SplitLayout:
       max(1, *split_sizes),
       max(1, *replicated_sizes),
       flat.dtype,
+      flat.order,
     )
 
   @property
@@ -218,10 +240,10 @@ class SplitLayout:
     return self.split_size + self.replicated_size
 
   def to_stored(self, params: Any) -> tuple[jax.Array, jax.Array]:
-    """Model layout -> `(split [P, parts, split_size], replicated [P, replicated_size])`."""
+    """Model layout -> `(split [G, parts, split_size], replicated [G, replicated_size])`."""
     leaves = jax.tree.leaves(params)
     split_rows, replicated_rows = [], []
-    for group in self.stage_leaves:
+    for group in (self.stage_leaves[stage] for stage in self.order):
       blocks = [
         _to_block(leaves[i], self.split_dims[i], self.parts)
         for i in group
@@ -259,17 +281,20 @@ class SplitLayout:
     return out
 
   def constrain(self, row: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Pins a `[parts, split_size]` block (params or gradients) to be split over `axis`."""
+    """Pins `[..., parts, split_size]` blocks (params or gradients) to be split over `axis`."""
     block, flat = row
-    return lax.with_sharding_constraint(block, PartitionSpec(self.axis, None)), flat
+    spec = PartitionSpec(*([None] * (block.ndim - 2)), self.axis, None)
+    return lax.with_sharding_constraint(block, spec), flat
 
   def to_params(self, stored: tuple[jax.Array, jax.Array]) -> Any:
     """`(split, replicated)` stage buffers -> model layout."""
     split, replicated = stored
     leaves: list[Any] = [None] * len(self.shapes)
-    for s, group in enumerate(self.stage_leaves):
-      row = (split[s], replicated[s])
-      for i, leaf in zip(group, self.stage_params(s, row, constrain=False), strict=True):
+    for r, s in enumerate(self.order):
+      row = (split[r], replicated[r])
+      for i, leaf in zip(
+        self.stage_leaves[s], self.stage_params(s, row, constrain=False), strict=True
+      ):
         leaves[i] = leaf
     return jax.tree.unflatten(self.treedef, leaves)
 
@@ -316,65 +341,123 @@ def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
   return lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
 
 
-def _shift(value: jax.Array, axis: str, stages: int, direction: int) -> jax.Array:
-  """Sends `value` one stage forward (+1) or back (-1); the far end gets zeros."""
+def _shift(
+  value: jax.Array, axis: str, stages: int, direction: int, cyclic: bool = False
+) -> jax.Array:
+  """Sends `value` one device forward (+1) or back (-1).
+
+  With `cyclic` (virtual stages) the ends wrap around: device P-1 sends to
+  device 0 and back; otherwise the far end gets zeros.
+  """
   if stages == 1:
-    return jnp.zeros_like(value)
-  pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+    return value if cyclic else jnp.zeros_like(value)
+  pairs = [
+    (s, (s + direction) % stages) for s in range(stages) if cyclic or 0 <= s + direction < stages
+  ]
   return lax.ppermute(value, axis, perm=pairs)
+
+
+def _chunk(block, j: int):
+  """Chunk `j`'s row of a device's `[v, ...]` params (or gradients) block."""
+  return jax.tree.map(lambda b: b[j], block)
+
+
+def _accumulate(grads, chunk: jax.Array, d_row, virtual_stages: int):
+  """`grads[chunk] += d_row` on a `[v, ...]` block (a pytree for `SplitLayout`)."""
+  if virtual_stages == 1:
+    return jax.tree.map(lambda g, d: g + d[None], grads, d_row)
+
+  def add(g, d):
+    row = lax.dynamic_index_in_dim(g, chunk, keepdims=False)
+    return lax.dynamic_update_index_in_dim(g, row + d, chunk, 0)
+
+  return jax.tree.map(add, grads, d_row)
+
+
+def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarray]:
+  """The distinct (action, model stage) pairs a schedule runs, and `[T, P]` indices into them.
+
+  Entry 0 is (IDLE, -1). Only the pairs the table uses get a branch, so a
+  schedule without W passes compiles no W branch.
+  """
+  stage = schedule.model_stage
+  used = sorted(
+    {
+      (Action(int(a)), int(g))
+      for a, g in zip(schedule.action.flat, stage.flat, strict=True)
+      if g >= 0
+    }
+  )
+  keys = [(Action.IDLE, -1), *used]
+  index = {key: i for i, key in enumerate(keys)}
+  table = np.zeros(schedule.action.shape, np.int32)
+  for (t, s), a in np.ndenumerate(schedule.action):
+    if a != Action.IDLE:
+      table[t, s] = index[(Action(int(a)), int(stage[t, s]))]
+  return keys, table
 
 
 def pipeline_loss_and_grad(
   staged: StagedModel,
   schedule: Schedule,
-  row: jax.Array,
+  block,
   inputs: jax.Array,
   labels: jax.Array,
   *,
   stage_axis: str,
   bubble_value: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, Any]:
   """One device's share of a pipelined forward and backward over its batch block.
 
-  Pseudo-code, for the device holding stage `s`::
+  Pseudo-code, for device `s` (its chunk j is model stage g = j P + s)::
 
     split the batch block into M microbatches
     for t in range(T):                        # T = schedule.num_ticks
-      match schedule.action[t, s]:
-        FORWARD m:  y = stage_s(params, stash[slot] or x[m]); send y to s+1
-        BACKWARD m: recompute stage_s at stash[slot], pull back the gradient
-                    arriving from s+1 (or the loss / M on the last stage),
-                    accumulate d params, send d input to s-1
-        IDLE:       send `bubble_value` (never read by a correct schedule)
-      store what arrived from s-1 / s+1 into the slots the schedule names
+      match schedule.action[t, s] (of chunk j, microbatch m):
+        FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
+        BACKWARD: recompute stage_g at stash[slot], pull back the gradient
+                  arriving from stage g+1 (or the loss / M on the last stage),
+                  accumulate d params[j], send d input back
+        BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
+        BACKWARD_WEIGHT: the same, but only d params[j]
+        IDLE:     send `bubble_value` (never read by a correct schedule)
+      store what arrived from device s-1 / s+1 into the slots the schedule names
     loss = psum over stages of the last stage's summed microbatch losses / M
 
+  Activations go to device s+1 and gradients to s-1; with virtual stages the
+  ends wrap (device P-1's chunk j feeds device 0's chunk j+1).
+
   Args:
-    staged: the model cut into stages.
+    staged: the model cut into the schedule's P * v model stages.
     schedule: the tick table.
-    row: this device's stage params (device-varying): a `[size]` flat buffer,
-      or for `SplitLayout` a pair `([parts, split_size], [replicated_size])`.
+    block: this device's params (device-varying), one row per chunk: `[v, size]`
+      for `FlatLayout`, or a pair `([v, parts, split_size], [v, replicated_size])`.
     inputs: this device's batch block `[B, ...]`.
     labels: `[B, ...]`.
-    stage_axis: the mesh axis the stages lie along.
+    stage_axis: the mesh axis the devices of the pipeline lie along.
     bubble_value: what idle ticks send; NaN in tests proves bubbles never leak.
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
-    gradient of it with respect to `row` (shaped like it), not yet averaged
+    gradient of it with respect to `block` (shaped like it), not yet averaged
     over data replicas.
   """
-  P, M = schedule.stages, schedule.microbatches
+  P, M, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+  G = schedule.model_stages
+  if staged.num_stages != G:
+    raise ValueError(f"The model is cut into {staged.num_stages} stages; the schedule runs {G}.")
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
   ys = labels.reshape(M, mb, *labels.shape[1:])
   W, dtype = staged.width, staged.layout.dtype
   stage = lax.axis_index(stage_axis)
+  keys, branch_index = branch_table(schedule)
   tables = jnp.asarray(
     np.stack(
       [
-        schedule.action,
+        branch_index,
         np.maximum(schedule.microbatch, 0),
+        schedule.chunk,
         schedule.act_slot,
         schedule.grad_slot,
         schedule.recv_act_slot,
@@ -384,59 +467,59 @@ def pipeline_loss_and_grad(
   )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
-  zero_row = staged.layout.constrain(jax.tree.map(jnp.zeros_like, row))
+  zero_row = staged.layout.constrain(jax.tree.map(lambda b: jnp.zeros_like(b[0]), block))
   zero_loss = jnp.zeros((), jnp.float32)
+  loss_cotangent = jnp.asarray(1.0 / M, jnp.float32)
 
-  def idle(row, act, grad, x, y):
-    del row, act, grad, x, y
-    return fill, fill, zero_row, zero_loss
-
-  def forward_branch(s):
-    def run(row, act, grad, x, y):
-      del grad
-      out, loss = staged.forward(s, row, act, x, y)
-      return out, fill, zero_row, loss
+  def branch(action: Action, g: int):
+    def run(block, act, grad, x, y):
+      if action == Action.IDLE:
+        return fill, fill, zero_row, zero_loss
+      row = _chunk(block, g // P)
+      if action == Action.FORWARD:
+        out, loss = staged.forward(g, row, act, x, y)
+        return out, fill, zero_row, loss
+      cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
+      if action == Action.BACKWARD:
+        _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
+        d_row, d_act = pullback(cotangents)
+        return fill, d_act, d_row, zero_loss
+      if action == Action.BACKWARD_INPUT:
+        if g == 0:  # the batch has no gradient: nothing to do
+          return fill, fill, zero_row, zero_loss
+        _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
+        (d_act,) = pullback(cotangents)
+        return fill, d_act, zero_row, zero_loss
+      _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
+      (d_row,) = pullback(cotangents)
+      return fill, fill, d_row, zero_loss
 
     return run
 
-  def backward_branch(s):
-    def run(row, act, grad, x, y):
-      def f(row, act):
-        return staged.forward(s, row, act, x, y)
-
-      _, pullback = jax.vjp(f, row, act)
-      out_cotangent = zero_act if s == P - 1 else grad
-      d_row, d_act = pullback((out_cotangent, jnp.asarray(1.0 / M, jnp.float32)))
-      return fill, d_act, d_row, zero_loss
-
-    return run
-
-  branches = [idle] + [forward_branch(s) for s in range(P)] + [backward_branch(s) for s in range(P)]
+  branches = [branch(action, g) for action, g in keys]
+  cyclic = v > 1
 
   def tick(t, carry):
     stash, inbox, grads, loss = carry
-    action, m, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(6))
-    index = jnp.where(
-      action == Action.FORWARD, 1 + stage, jnp.where(action == Action.BACKWARD, 1 + P + stage, 0)
-    )
+    index, m, chunk, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(7))
     send_act, send_grad, d_row, d_loss = lax.switch(
       index,
       branches,
-      row,
+      block,
       _read(stash, a_slot),
       _read(inbox, g_slot),
       lax.dynamic_index_in_dim(xs, m, keepdims=False),
       lax.dynamic_index_in_dim(ys, m, keepdims=False),
     )
-    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
-    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
-    grads = staged.layout.constrain(jax.tree.map(jnp.add, grads, d_row))
+    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
+    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
+    grads = staged.layout.constrain(_accumulate(grads, chunk, d_row, v))
     return stash, inbox, grads, loss + d_loss
 
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
     jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
-    zero_row,
+    staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )
   _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
@@ -447,17 +530,21 @@ def pipeline_loss_and_grad(
 def pipeline_forward(
   staged: StagedModel,
   microbatches: int,
-  row: jax.Array,
+  block,
   inputs: jax.Array,
   *,
   stage_axis: str,
+  virtual_stages: int = 1,
 ) -> jax.Array:
   """A forward-only pipelined pass; returns the `[B, out...]` outputs on every stage.
 
-  Stage s runs microbatch `t - s` at tick t (M + P - 1 ticks); the last stage
-  collects the outputs, which a `psum` over the stage axis then replicates.
+  In round j (one per chunk), device s runs model stage j P + s on
+  microbatch `t - s` at tick t (M + P - 1 ticks); the last device collects the
+  round's outputs, which feed device 0 in the next round. A `psum` over the
+  stage axis then replicates the final outputs.
   """
-  P, M = staged.num_stages, microbatches
+  G, M, v = staged.num_stages, microbatches, virtual_stages
+  P = G // v
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
   W, dtype = staged.width, staged.layout.dtype
@@ -465,26 +552,34 @@ def pipeline_forward(
   dummy_y = jnp.zeros((mb,), jnp.int32)
   out_aval = staged.program.boundaries[-1]
 
-  def branch(s):
-    def run(row, act, x):
-      out, _ = _forward_no_loss(staged, s, row, act, x, dummy_y)
+  def branch(g):
+    def run(block, act, x):
+      out, _ = _forward_no_loss(staged, g, _chunk(block, g // P), act, x, dummy_y)
       return out
 
     return run
 
-  def tick(t, carry):
-    act, outputs = carry
-    m = t - stage
-    active = (m >= 0) & (m < M)
-    x = lax.dynamic_index_in_dim(xs, jnp.clip(m, 0, M - 1), keepdims=False)
-    out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
-    out = jnp.where(active, out, jnp.zeros_like(out))
-    is_last = stage == P - 1
-    outputs = _store(outputs, jnp.where(active & is_last, m, -1), out)
-    return _shift(out, stage_axis, P, +1), outputs
+  feed = None
+  for j in range(v):
+    branches = [branch(j * P + s) for s in range(P)]
 
-  carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
-  _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
+    def tick(t, carry, branches=branches, feed=feed):
+      act, outputs = carry
+      m = t - stage
+      active = (m >= 0) & (m < M)
+      index = jnp.clip(m, 0, M - 1)
+      x = lax.dynamic_index_in_dim(xs, index, keepdims=False)
+      if feed is not None:  # device 0 continues from the previous round's outputs
+        act = jnp.where(stage == 0, lax.dynamic_index_in_dim(feed, index, keepdims=False), act)
+      out = lax.switch(stage, branches, block, act, x)
+      out = jnp.where(active, out, jnp.zeros_like(out))
+      is_last = stage == P - 1
+      outputs = _store(outputs, jnp.where(active & is_last, m, -1), out)
+      return _shift(out, stage_axis, P, +1), outputs
+
+    carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
+    _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
+    feed = _shift(outputs, stage_axis, P, +1, cyclic=True)
   outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
   return partition_lib.unpad(
     outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)
