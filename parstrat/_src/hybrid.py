@@ -47,7 +47,7 @@ def make_pipeline_plan(
   *,
   stages: int,
   microbatches: int,
-  schedule: str,
+  schedule: str | schedule_lib.Schedule,
   balance: str,
   cuts: Sequence[int] | None,
   bubble_value: float,
@@ -67,7 +67,7 @@ def make_pipeline_plan(
   in a map that leaves "model" to the partitioner.
   """
   _check_positive("microbatches", microbatches)
-  sched = schedule_lib.build_schedule(schedule, stages, microbatches, virtual_stages=virtual_stages)
+  sched = _schedule_for(schedule, stages, microbatches, virtual_stages)
   v = sched.virtual_stages
 
   def apply(params, x):
@@ -155,6 +155,27 @@ def make_pipeline_plan(
     description=description,
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan
+
+
+def _schedule_for(
+  schedule: str | schedule_lib.Schedule,
+  stages: int,
+  microbatches: int,
+  virtual_stages: int | None,
+) -> schedule_lib.Schedule:
+  """The named schedule built for (P, M, v), or a given `Schedule` checked against them."""
+  if not isinstance(schedule, schedule_lib.Schedule):
+    return schedule_lib.build_schedule(
+      schedule, stages, microbatches, virtual_stages=virtual_stages
+    )
+  for what, want, have in (
+    ("stages", stages, schedule.stages),
+    ("microbatches", microbatches, schedule.microbatches),
+    ("virtual_stages", virtual_stages or schedule.virtual_stages, schedule.virtual_stages),
+  ):
+    if want != have:
+      raise ValueError(f"The {schedule.name!r} schedule runs {what}={have}, not {want}.")
+  return schedule
 
 
 def stage_tensor_split(
@@ -313,7 +334,8 @@ class Hybrid(Strategy):
     model: tensor-parallel ways along "model" within each stage (default 1:
       no "model" axis).
     microbatches: microbatches per replica per step (default: `stages`).
-    schedule: "gpipe", "1f1b" (default), "zb_h1" or "interleaved_1f1b"; see
+    schedule: "gpipe", "1f1b" (default), "zb_h1", "interleaved_1f1b", or a
+      `parstrat.pipeline.Schedule` (e.g. read by `from_csv`); see
       `PipelineModelParallel`.
     virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
     balance: what the automatic cut balances, "params" or "flops".
@@ -334,7 +356,7 @@ class Hybrid(Strategy):
   stages: int | None = None
   model: int = 1
   microbatches: int | None = None
-  schedule: str = "1f1b"
+  schedule: str | schedule_lib.Schedule = "1f1b"
   virtual_stages: int | None = None
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
@@ -361,7 +383,8 @@ class Hybrid(Strategy):
     return default_split(n)
 
   def make_mesh(self) -> Mesh:
-    schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
+    if not isinstance(self.schedule, schedule_lib.Schedule):
+      schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
@@ -383,7 +406,7 @@ class Hybrid(Strategy):
       sample_params,
       sample_inputs,
       stages=stages,
-      microbatches=self.microbatches or stages,
+      microbatches=self.microbatches or getattr(self.schedule, "microbatches", stages),
       schedule=self.schedule,
       balance=self.balance,
       cuts=self.cuts,

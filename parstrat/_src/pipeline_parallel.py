@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from parstrat._src import registry
 from parstrat._src.hybrid import Hybrid
+from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 
@@ -38,7 +39,9 @@ class PipelineModelParallel(Strategy):
   Args:
     stages: the number of stages P (default 2).
     microbatches: microbatches M per step (default: P). M must divide the batch.
-    schedule: "gpipe", "1f1b" (default), "zb_h1" or "interleaved_1f1b".
+    schedule: "gpipe", "1f1b" (default), "zb_h1", "interleaved_1f1b", or a
+      `parstrat.pipeline.Schedule` for `stages` devices (e.g. one read by
+      `parstrat.pipeline.from_csv`; `microbatches` defaults to its M).
     virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
@@ -53,7 +56,7 @@ class PipelineModelParallel(Strategy):
 
   stages: int = 2
   microbatches: int | None = None
-  schedule: str = "1f1b"
+  schedule: str | Schedule = "1f1b"
   virtual_stages: int | None = None
   balance: str = "params"
   cuts: tuple[int, ...] | None = None

@@ -159,11 +159,12 @@ THEORY: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
 DEFAULT_VIRTUAL_STAGES = {"interleaved_1f1b": 2}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Schedule:
   """A pipeline schedule and the buffer slots it needs.
 
   Model stage g (of G = P * v) runs on device g % P as its chunk g // P.
+  Schedules compare (and hash) by identity, so a strategy can hold one.
 
   Attributes:
     name: "gpipe", "1f1b", "zb_h1", "interleaved_1f1b", or an imported name.
@@ -265,6 +266,12 @@ class Schedule:
     width = max(2, *(len(c) for row in cells for c in row))
     return "\n".join(
       f"stage {s}: " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(cells)
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
+      f"virtual_stages={self.virtual_stages}, ticks={self.num_ticks})"
     )
 
   def __str__(self) -> str:
