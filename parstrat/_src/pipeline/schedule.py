@@ -516,27 +516,28 @@ def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
       assert key not in when, f"stage {j * P + s} runs {Action(a).name} of microbatch {m} twice"
       when[key] = t
   F, B, IN, W = (Action.FORWARD, Action.BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT)
-  for g in range(G):
+  split: dict[tuple[int, int], bool] = {}
+  for g in range(G):  # first: every action is there
     for m in range(M):
       assert (F, g, m) in when, f"stage {g} never runs FORWARD of microbatch {m}"
-      split = (IN, g, m) in when or (W, g, m) in when
-      if split:
-        for a in (IN, W):
-          assert (a, g, m) in when, f"stage {g} never runs {a.name} of microbatch {m}"
-        assert (B, g, m) not in when, f"stage {g} runs both B and I/W of microbatch {m}"
-        assert when[(IN, g, m)] < when[(W, g, m)], (
-          f"stage {g}: W of microbatch {m} (tick {when[(W, g, m)]}) before its I "
-          f"({when[(IN, g, m)]})"
-        )
-      else:
-        assert (B, g, m) in when, f"stage {g} never runs BACKWARD of microbatch {m}"
-      f, b = when[(F, g, m)], when[(IN if split else B, g, m)]
+      split[(g, m)] = (IN, g, m) in when or (W, g, m) in when
+      for a in (IN, W) if split[(g, m)] else (B,):
+        assert (a, g, m) in when, f"stage {g} never runs {a.name} of microbatch {m}"
+      assert not (split[(g, m)] and (B, g, m) in when), (
+        f"stage {g} runs both B and I/W of microbatch {m}"
+      )
+  for g in range(G):  # then: each after what it needs
+    for m in range(M):
+      f, b = when[(F, g, m)], when[(IN if split[(g, m)] else B, g, m)]
       assert f < b, f"stage {g}: backward of microbatch {m} (tick {b}) before its forward ({f})"
+      if split[(g, m)]:
+        w = when[(W, g, m)]
+        assert b < w, f"stage {g}: W of microbatch {m} (tick {w}) before its I ({b})"
       if g > 0:
         prev = when[(F, g - 1, m)]
         assert prev < f, f"stage {g} runs forward {m} at tick {f}, stage {g - 1} only at {prev}"
       if g < G - 1:
-        nxt = when.get((B, g + 1, m), when.get((IN, g + 1, m)))
+        nxt = when[(IN if split[(g + 1, m)] else B, g + 1, m)]
         assert nxt < b, f"stage {g} runs backward {m} at tick {b}, stage {g + 1} only at {nxt}"
   return when
 
