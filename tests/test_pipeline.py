@@ -151,6 +151,16 @@ def test_microbatches_must_divide_the_batch():
     (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
     (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
     (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
+    (
+      dict(stages=2, schedule="gpipe", virtual_stages=2),
+      ValueError,
+      "virtual_stages=2 needs schedule 'interleaved_1f1b'",
+    ),
+    (
+      dict(stages=4, schedule=pipeline.build_schedule("1f1b", 2, 2)),
+      ValueError,
+      "The '1f1b' schedule runs stages=2, not 4",
+    ),
   ],
 )
 def test_bad_configs(kwargs, error, message):
@@ -190,6 +200,56 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
     stages=stages, microbatches=microbatches, schedule=schedule
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=20, batch=32)
+
+
+# Zero bubble (backward split into I and W) and interleaved virtual stages (8 model
+# stages on 4 devices: DEEP_MLP's 8 layers, chunk c on device c % 4, wrapping from
+# device 3 to device 0), NaN in every bubble.
+@pytest.mark.parametrize(
+  "stages, microbatches, schedule, virtual_stages",
+  [(4, 4, "zb_h1", None), (4, 4, "interleaved_1f1b", 2)],
+)
+def test_zero_bubble_and_interleaved_match_jit(stages, microbatches, schedule, virtual_stages):
+  strategy = parstrat.PipelineModelParallel(
+    stages=stages,
+    microbatches=microbatches,
+    schedule=schedule,
+    virtual_stages=virtual_stages,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, DEEP_MLP, [optax.sgd(0.1), optax.adam(1e-3)], steps=3, batch=16
+  )
+
+
+def test_a_schedule_read_from_csv_runs():
+  # Designed by hand: stage 1 runs full backwards, stage 0 splits its second one into
+  # an input-gradient and a weight-gradient pass.
+  schedule = pipeline.from_csv("0F0,0F1,,0B0,,0I1,0W1\n,1F0,1B0,1F1,1B1,,\n", name="mine")
+  strategy = parstrat.PipelineModelParallel(stages=2, schedule=schedule)
+  reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=8)
+  assert len(reports[0].losses) == 3
+
+
+def test_interleaved_apply_matches_the_model_and_each_device_holds_its_chunks():
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2
+  )
+  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+  images, _ = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  params = trainer.params(state)
+  np.testing.assert_allclose(
+    trainer.apply(state, images[0]), DEEP_MLP.apply(params, None, images[0]), atol=1e-6
+  )
+  # Device s holds rows for model stages s and s + 4: layers s and s + 4 of the 8.
+  rows = {shard.device: np.asarray(shard.data) for shard in state.params.addressable_shards}
+  for s, device in enumerate(trainer.mesh.devices.flat):
+    assert rows[device].shape[0] == 2
+    for chunk in range(2):
+      layer = params[f"mlp/~/linear_{chunk * 4 + s}"]
+      own = np.concatenate([np.asarray(layer[k]).reshape(-1) for k in ("b", "w")])
+      np.testing.assert_array_equal(rows[device][chunk, : own.size], own)
 
 
 # ------------------------------------------------------------------ placement

@@ -382,6 +382,10 @@ class Hybrid(Strategy):
       return self.data, n // self.data
     return default_split(n)
 
+  def _microbatches(self, stages: int) -> int:
+    """M after the default: the given schedule's M, else one per stage."""
+    return self.microbatches or getattr(self.schedule, "microbatches", stages)
+
   def make_mesh(self) -> Mesh:
     if not isinstance(self.schedule, schedule_lib.Schedule):
       schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
@@ -389,6 +393,8 @@ class Hybrid(Strategy):
     _check_positive("stages", stages)
     if self.microbatches is not None:
       _check_positive("microbatches", self.microbatches)
+    if isinstance(self.schedule, schedule_lib.Schedule):
+      _schedule_for(self.schedule, stages, self._microbatches(stages), self.virtual_stages)
     if self.model == 1:
       return build_mesh({DATA: data, STAGE: stages}, self.devices)
     n = len(available_devices(self.devices))
@@ -406,7 +412,7 @@ class Hybrid(Strategy):
       sample_params,
       sample_inputs,
       stages=stages,
-      microbatches=self.microbatches or getattr(self.schedule, "microbatches", stages),
+      microbatches=self._microbatches(stages),
       schedule=self.schedule,
       balance=self.balance,
       cuts=self.cuts,
