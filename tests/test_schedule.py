@@ -228,3 +228,32 @@ def test_csv_import_names_the_problem(text, message):
     pipeline.from_csv(text)
   if "only at" in message:  # the same order, retimed, is fine
     pipeline.from_csv(text, retime=True)
+
+
+# ------------------------------------------------------------------------ CLI
+def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
+  import matplotlib.image
+
+  from parstrat._src import cli
+  from parstrat._src.pipeline import drawing
+
+  png, table = tmp_path / "zb.png", tmp_path / "zb.csv"
+  args = ["schedule", "--stages", "4", "--microbatches", "8", "--schedule", "zb_h1"]
+  assert cli.main([*args, "--out", str(png), "--csv", str(table)]) == 0
+  assert "0.1111 measured, 0.1111 theory (P-1)/(3M+P-1)" in capsys.readouterr().out
+  assert pipeline.to_csv(pipeline.build_schedule("zb_h1", 4, 8)) == table.read_text()
+  pixels = {
+    tuple(p)
+    for p in (matplotlib.image.imread(png)[..., :3] * 255).round().astype(int).reshape(-1, 3)
+  }
+  for colour in (drawing.FORWARD_COLOUR, drawing.INPUT_GRAD_COLOUR, drawing.WEIGHT_GRAD_COLOUR):
+    assert tuple(int(colour[i : i + 2], 16) for i in (1, 3, 5)) in pixels, colour
+
+  inter = ["schedule", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved_1f1b"]
+  assert cli.main([*inter, "--virtual-stages", "3"]) == 0
+  assert "2 stages x 3 virtual x 4 microbatches" in capsys.readouterr().out
+  assert cli.main([*args[:-1], "gpipe", "--virtual-stages", "2"]) == 2
+  assert "virtual_stages=2 needs schedule 'interleaved_1f1b'" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["schedule", "--help"])
+  assert "(default: 1f1b)" in capsys.readouterr().out
