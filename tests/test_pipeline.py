@@ -252,6 +252,33 @@ def test_interleaved_apply_matches_the_model_and_each_device_holds_its_chunks():
       np.testing.assert_array_equal(rows[device][chunk, : own.size], own)
 
 
+# ------------------------------------------------------------ activation memory
+WIDE = mlp([64, 64, 64, 10])  # four layers, every boundary 64 wide
+
+
+def _temp_bytes(microbatches, example_bytes=8 * 64 * 4, **options):
+  """The compiled step's temporaries at P=4 with microbatches of 8 (abstract: no allocation)."""
+  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=microbatches, **options)
+  trainer = strategy(WIDE, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  batch = (
+    jax.ShapeDtypeStruct((8 * microbatches, 16), jnp.float32),
+    jax.ShapeDtypeStruct((8 * microbatches,), jnp.int32),
+  )
+  temp = trainer.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+  return temp / example_bytes  # in activation slots of one microbatch
+
+
+def test_1f1b_holds_p_activation_slots_not_m():
+  # Doubling M (same microbatch size) adds M stash slots to GPipe and none to 1F1B,
+  # in the compiled program's memory, not only in the table.
+  M = 8
+  gpipe = _temp_bytes(2 * M, schedule="gpipe") - _temp_bytes(M, schedule="gpipe")
+  one_f = _temp_bytes(2 * M, schedule="1f1b") - _temp_bytes(M, schedule="1f1b")
+  assert gpipe >= M, gpipe
+  assert one_f < 1, one_f
+
+
 # ------------------------------------------------------------------ placement
 def test_each_device_holds_only_its_stage():
   trainer = parstrat.PipelineModelParallel(stages=4, microbatches=4)(DEEP_MLP, optax.adam(1e-3))
