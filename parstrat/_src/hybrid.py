@@ -21,6 +21,7 @@ from parstrat._src.data_parallel import DATA
 from parstrat._src.data_parallel import average_gradients
 from parstrat._src.pipeline import engine
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline import schedule as schedule_lib
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Params
@@ -53,6 +54,7 @@ def make_pipeline_plan(
   bubble_value: float,
   mesh: Mesh | None = None,
   virtual_stages: int | None = None,
+  activations: str = "recompute",
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
@@ -109,6 +111,7 @@ def make_pipeline_plan(
       labels,
       stage_axis=STAGE,
       bubble_value=bubble_value,
+      activations=activations,
     )
 
   def forward(stored, inputs):
@@ -140,7 +143,7 @@ def make_pipeline_plan(
     f"{buffers}"
     f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {sched.num_ticks} ticks, "
     f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
-    f"{sched.num_act_slots} activation slot(s) per device"
+    f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
   )
   plan = Plan(
     param_spec=P(STAGE),
@@ -338,6 +341,8 @@ class Hybrid(Strategy):
       `parstrat.pipeline.Schedule` (e.g. read by `from_csv`); see
       `PipelineModelParallel`.
     virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
+    activations: "recompute" (default), "save" or a `jax.checkpoint_policies`
+      name; see `PipelineModelParallel`.
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).
@@ -358,6 +363,7 @@ class Hybrid(Strategy):
   microbatches: int | None = None
   schedule: str | schedule_lib.Schedule = "1f1b"
   virtual_stages: int | None = None
+  activations: str = "recompute"
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -389,6 +395,7 @@ class Hybrid(Strategy):
   def make_mesh(self) -> Mesh:
     if not isinstance(self.schedule, schedule_lib.Schedule):
       schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
+    residuals_lib.check_activations(self.activations)
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
@@ -419,4 +426,5 @@ class Hybrid(Strategy):
       bubble_value=self.bubble_value,
       mesh=mesh,
       virtual_stages=self.virtual_stages,
+      activations=self.activations,
     )

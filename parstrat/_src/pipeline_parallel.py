@@ -43,6 +43,12 @@ class PipelineModelParallel(Strategy):
       `parstrat.pipeline.Schedule` for `stages` devices (e.g. one read by
       `parstrat.pipeline.from_csv`; `microbatches` defaults to its M).
     virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
+    activations: what each stage keeps from its forward for its backward:
+      "recompute" (default: only its input; the backward reruns the forward),
+      "save" (every residual of the forward: no rerun, more memory), or a
+      `jax.checkpoint_policies` name in between ("dots_saveable",
+      "dots_with_no_batch_dims_saveable": keep matmul outputs, rerun the rest;
+      "nothing_saveable").
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
     bubble_value: what idle slots send (tests fill bubbles with NaN).
@@ -58,6 +64,7 @@ class PipelineModelParallel(Strategy):
   microbatches: int | None = None
   schedule: str | Schedule = "1f1b"
   virtual_stages: int | None = None
+  activations: str = "recompute"
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -71,6 +78,7 @@ class PipelineModelParallel(Strategy):
       microbatches=self.microbatches,
       schedule=self.schedule,
       virtual_stages=self.virtual_stages,
+      activations=self.activations,
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,

@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.pipeline.schedule import num_total_iterations
@@ -320,14 +321,21 @@ class StagedModel:
     return len(self.program.stage_fns)
 
   def forward(self, stage: int, row, act, x, y):
-    program = self.program
-    inp = x if stage == 0 else partition_lib.unpad(act, program.boundaries[stage])
-    out = program.stage_fns[stage](self.layout.stage_params(stage, row), inp)
+    return self.apply(stage, *self.stage_inputs(stage, row, act, x), y, act.dtype)
+
+  def stage_inputs(self, stage: int, row, act, x):
+    """The stage's parameter leaves (sliced from `row`) and its unpadded input."""
+    inp = x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
+    return self.layout.stage_params(stage, row), inp
+
+  def apply(self, stage: int, leaves, inp, y, dtype):
+    """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss)."""
+    out = self.program.stage_fns[stage](leaves, inp)
     if stage == self.num_stages - 1:
       loss = self.loss_fn(out, y).astype(jnp.float32)
     else:
       loss = jnp.zeros((), jnp.float32)
-    return partition_lib.pad_to(out, self.width).astype(act.dtype), loss
+    return partition_lib.pad_to(out, self.width).astype(dtype), loss
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -406,6 +414,7 @@ def pipeline_loss_and_grad(
   *,
   stage_axis: str,
   bubble_value: float = 0.0,
+  activations: str = "recompute",
 ) -> tuple[jax.Array, Any]:
   """One device's share of a pipelined forward and backward over its batch block.
 
@@ -436,6 +445,9 @@ def pipeline_loss_and_grad(
     labels: `[B, ...]`.
     stage_axis: the mesh axis the devices of the pipeline lie along.
     bubble_value: what idle ticks send; NaN in tests proves bubbles never leak.
+    activations: "recompute" (stash each stage input, rerun the forward in the
+      backward), "save" (keep the forward's residuals in slots, no rerun), or a
+      `jax.checkpoint_policies` name in between; see `residuals.ACTIVATIONS`.
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
@@ -471,58 +483,107 @@ def pipeline_loss_and_grad(
   zero_loss = jnp.zeros((), jnp.float32)
   loss_cotangent = jnp.asarray(1.0 / M, jnp.float32)
 
+  # activations != "recompute": forwards keep residuals in slots of `saved`.
+  residuals: dict[int, residuals_lib.Residuals] = {}
+  res_slot, num_res = np.full(schedule.action.shape, -1, np.int32), 1
+  if activations != "recompute":
+    residuals_lib.check_activations(activations)
+    res_slot, num_res = schedule.residual_slots()
+    avals = [
+      jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), block),
+      jax.ShapeDtypeStruct((mb, W), dtype),
+      jax.ShapeDtypeStruct(xs.shape[1:], xs.dtype),
+      jax.ShapeDtypeStruct(ys.shape[1:], ys.dtype),
+    ]
+    for g in sorted({g for _, g in keys if g >= 0}):
+      residuals[g] = residuals_lib.find_residuals(staged, g, *avals, dtype, activations)
+  nbytes = max([1, *(r.nbytes for r in residuals.values())])
+  no_res = jnp.zeros((nbytes,), jnp.uint8)
+  res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
+
+  def saved_pullback(g, row, act, res, x):
+    """(d row, d padded input) of model stage g from its saved residuals."""
+    leaves, inp = staged.stage_inputs(g, row, act, x)
+    vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
+
+    def pull(cotangents):
+      d_leaves, d_inp = vjp_fn(cotangents)
+      _, to_row = jax.vjp(lambda r: staged.layout.stage_params(g, r), row)
+      d_act = fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
+      return to_row(d_leaves)[0], d_act
+
+    return pull
+
+  def backward(action: Action, g: int, row, act, grad, res, x, y):
+    """(d row, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
+    cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
+    if g in residuals:
+      return saved_pullback(g, row, act, res, x)(cotangents)
+    if action == Action.BACKWARD:
+      _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
+      return pullback(cotangents)
+    if action == Action.BACKWARD_INPUT:
+      _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
+      return zero_row, pullback(cotangents)[0]
+    _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
+    return pullback(cotangents)[0], fill
+
   def branch(action: Action, g: int):
-    def run(block, act, grad, x, y):
-      if action == Action.IDLE:
-        return fill, fill, zero_row, zero_loss
+    def run(block, act, grad, res, x, y):
+      if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
+        return fill, fill, zero_row, zero_loss, no_res  # (the batch has no gradient)
       row = _chunk(block, g // P)
       if action == Action.FORWARD:
-        out, loss = staged.forward(g, row, act, x, y)
-        return out, fill, zero_row, loss
-      cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
-      if action == Action.BACKWARD:
-        _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
-        d_row, d_act = pullback(cotangents)
-        return fill, d_act, d_row, zero_loss
+        if g not in residuals:
+          out, loss = staged.forward(g, row, act, x, y)
+          return out, fill, zero_row, loss, no_res
+        leaves, inp = staged.stage_inputs(g, row, act, x)
+        out, loss, res = residuals_lib.forward_saving(
+          staged, g, leaves, inp, y, dtype, activations, nbytes
+        )
+        return out, fill, zero_row, loss, res
+      d_row, d_act = backward(action, g, row, act, grad, res, x, y)
       if action == Action.BACKWARD_INPUT:
-        if g == 0:  # the batch has no gradient: nothing to do
-          return fill, fill, zero_row, zero_loss
-        _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
-        (d_act,) = pullback(cotangents)
-        return fill, d_act, zero_row, zero_loss
-      _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
-      (d_row,) = pullback(cotangents)
-      return fill, fill, d_row, zero_loss
+        d_row = zero_row
+      elif action == Action.BACKWARD_WEIGHT:
+        d_act = fill
+      return fill, d_act, d_row, zero_loss, no_res
 
     return run
 
   branches = [branch(action, g) for action, g in keys]
   cyclic = v > 1
+  tables = jnp.concatenate([tables, jnp.asarray(np.stack([res_slot, res_write]))])
 
   def tick(t, carry):
-    stash, inbox, grads, loss = carry
-    index, m, chunk, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(7))
-    send_act, send_grad, d_row, d_loss = lax.switch(
+    stash, inbox, saved, grads, loss = carry
+    index, m, chunk, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
+      tables[k, t, stage] for k in range(9)
+    )
+    send_act, send_grad, d_row, d_loss, res = lax.switch(
       index,
       branches,
       block,
       _read(stash, a_slot),
       _read(inbox, g_slot),
+      _read(saved, r_slot),
       lax.dynamic_index_in_dim(xs, m, keepdims=False),
       lax.dynamic_index_in_dim(ys, m, keepdims=False),
     )
+    saved = _store(saved, rw_slot, res)
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
     grads = staged.layout.constrain(_accumulate(grads, chunk, d_row, v))
-    return stash, inbox, grads, loss + d_loss
+    return stash, inbox, saved, grads, loss + d_loss
 
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
     jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
+    jnp.zeros((num_res, nbytes), jnp.uint8),
     staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )
-  _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
+  _, _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
   loss = lax.psum(loss, stage_axis) / M
   return loss, grads
 

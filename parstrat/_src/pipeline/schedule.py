@@ -250,6 +250,26 @@ class Schedule:
       live.append(peak)
     return live
 
+  def residual_slots(self) -> tuple[np.ndarray, int]:
+    """Slots for what a forward keeps for its backward passes (activations="save").
+
+    Returns:
+      `([T, P] slot each action writes (F) or reads (B, I, W), -1 when idle;
+      slots per device)`: (stage, microbatch) holds its slot from its forward to
+      its last backward pass.
+    """
+    slot = np.full(self.action.shape, -1, np.int32)
+    most = 1
+    for s in range(self.stages):
+      ticks: dict[tuple[int, int], list[int]] = {}
+      for t in np.flatnonzero(self.action[:, s] != Action.IDLE):
+        ticks.setdefault((int(self.chunk[t, s]), int(self.microbatch[t, s])), []).append(int(t))
+      slots, n = _allocate({key: (min(ts), max(ts)) for key, ts in ticks.items()})
+      most = max(most, n)
+      for key, ts in ticks.items():
+        slot[ts, s] = slots[key]
+    return slot, most
+
   def cell(self, t: int, s: int) -> str:
     """One action as text: "F3" (v = 1), or torch's "5F3" (model stage first) when v > 1."""
     a = Action(int(self.action[t, s]))
