@@ -1,3 +1,5 @@
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,7 @@ def test_microbatches_must_divide_the_batch():
     (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
     (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
     (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
+    (dict(stages=2, activations="keep"), ValueError, "Unknown activations 'keep'; choose one"),
     (
       dict(stages=2, schedule="gpipe", virtual_stages=2),
       ValueError,
@@ -256,27 +259,64 @@ def test_interleaved_apply_matches_the_model_and_each_device_holds_its_chunks():
 WIDE = mlp([64, 64, 64, 10])  # four layers, every boundary 64 wide
 
 
-def _temp_bytes(microbatches, example_bytes=8 * 64 * 4, **options):
-  """The compiled step's temporaries at P=4 with microbatches of 8 (abstract: no allocation)."""
-  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=microbatches, **options)
+@functools.cache
+def _compiled_cost(microbatches, schedule="1f1b", activations="recompute"):
+  """(temporaries in microbatch activation slots, XLA's FLOP count) of the step at P=4.
+
+  Microbatches of 8 examples, lowered abstractly (nothing is allocated).
+  """
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=microbatches, schedule=schedule, activations=activations
+  )
   trainer = strategy(WIDE, optax.sgd(0.1))
   state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
   batch = (
     jax.ShapeDtypeStruct((8 * microbatches, 16), jnp.float32),
     jax.ShapeDtypeStruct((8 * microbatches,), jnp.int32),
   )
-  temp = trainer.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-  return temp / example_bytes  # in activation slots of one microbatch
+  compiled = trainer.lower(state, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  slot_bytes = 8 * 64 * 4
+  return compiled.memory_analysis().temp_size_in_bytes / slot_bytes, cost["flops"]
 
 
 def test_1f1b_holds_p_activation_slots_not_m():
   # Doubling M (same microbatch size) adds M stash slots to GPipe and none to 1F1B,
   # in the compiled program's memory, not only in the table.
   M = 8
-  gpipe = _temp_bytes(2 * M, schedule="gpipe") - _temp_bytes(M, schedule="gpipe")
-  one_f = _temp_bytes(2 * M, schedule="1f1b") - _temp_bytes(M, schedule="1f1b")
+  gpipe = _compiled_cost(2 * M, "gpipe")[0] - _compiled_cost(M, "gpipe")[0]
+  one_f = _compiled_cost(2 * M)[0] - _compiled_cost(M)[0]
   assert gpipe >= M, gpipe
   assert one_f < 1, one_f
+
+
+def test_activation_policies_trade_memory_for_compute():
+  recompute, save, dots = (_compiled_cost(8, activations=a) for a in ACTIVATIONS)
+  # Keeping residuals costs memory and saves the forward rerun in every backward.
+  assert recompute[0] < dots[0] < save[0], (recompute, dots, save)
+  assert save[1] < recompute[1] and dots[1] < recompute[1], (recompute, dots, save)
+  # The residual slots follow the schedule, not M: 1F1B still holds P of them.
+  assert _compiled_cost(16, activations="save")[0] - save[0] < 1
+
+
+ACTIVATIONS = ("recompute", "save", "dots_saveable")
+
+
+@pytest.mark.parametrize(
+  "schedule, activations, virtual_stages",
+  [("zb_h1", "save", None), ("interleaved_1f1b", "dots_saveable", 2)],
+)
+def test_saved_activations_match_jit(schedule, activations, virtual_stages):
+  strategy = parstrat.PipelineModelParallel(
+    stages=4,
+    microbatches=4,
+    schedule=schedule,
+    virtual_stages=virtual_stages,
+    activations=activations,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 
 
 # ------------------------------------------------------------------ placement
