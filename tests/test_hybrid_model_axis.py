@@ -26,13 +26,15 @@ def test_2x2x2_matches_single_device_jit_with_sgd_and_adam():
 
 
 def test_interleaved_with_a_model_axis_matches_single_device_jit():
-  # Four model stages (two chunks per device), each split over "model" where it can be.
+  # Four model stages (two chunks per device), each split over "model" where it can be,
+  # with the forward residuals kept for the backward.
   strategy = parstrat.Hybrid(
     data=1,
     stages=2,
     model=2,
     microbatches=2,
     schedule="interleaved_1f1b",
+    activations="save",
     bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(
