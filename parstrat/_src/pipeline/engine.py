@@ -370,16 +370,9 @@ def _chunk(block, j: int):
   return jax.tree.map(lambda b: b[j], block)
 
 
-def _accumulate(grads, chunk: jax.Array, d_row, virtual_stages: int):
+def _add_chunk(grads, chunk: int, d_row):
   """`grads[chunk] += d_row` on a `[v, ...]` block (a pytree for `SplitLayout`)."""
-  if virtual_stages == 1:
-    return jax.tree.map(lambda g, d: g + d[None], grads, d_row)
-
-  def add(g, d):
-    row = lax.dynamic_index_in_dim(g, chunk, keepdims=False)
-    return lax.dynamic_update_index_in_dim(g, row + d, chunk, 0)
-
-  return jax.tree.map(add, grads, d_row)
+  return jax.tree.map(lambda g, d: g.at[chunk].add(d), grads, d_row)
 
 
 def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarray]:
@@ -469,7 +462,6 @@ def pipeline_loss_and_grad(
       [
         branch_index,
         np.maximum(schedule.microbatch, 0),
-        schedule.chunk,
         schedule.act_slot,
         schedule.grad_slot,
         schedule.recv_act_slot,
@@ -479,7 +471,6 @@ def pipeline_loss_and_grad(
   )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
-  zero_row = staged.layout.constrain(jax.tree.map(lambda b: jnp.zeros_like(b[0]), block))
   zero_loss = jnp.zeros((), jnp.float32)
   loss_cotangent = jnp.asarray(1.0 / M, jnp.float32)
 
@@ -524,30 +515,33 @@ def pipeline_loss_and_grad(
       return pullback(cotangents)
     if action == Action.BACKWARD_INPUT:
       _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
-      return zero_row, pullback(cotangents)[0]
+      return None, pullback(cotangents)[0]
     _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
     return pullback(cotangents)[0], fill
 
+  # Each branch takes the gradient accumulator and returns it, adding its chunk's
+  # gradient in place in B and W passes only: no tick adds or builds a zero buffer
+  # the size of the params.
   def branch(action: Action, g: int):
-    def run(block, act, grad, res, x, y):
+    def run(block, grads, act, grad, res, x, y):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, fill, zero_row, zero_loss, no_res  # (the batch has no gradient)
+        return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
       row = _chunk(block, g // P)
       if action == Action.FORWARD:
         if g not in residuals:
           out, loss = staged.forward(g, row, act, x, y)
-          return out, fill, zero_row, loss, no_res
+          return out, fill, grads, loss, no_res
         leaves, inp = staged.stage_inputs(g, row, act, x)
         out, loss, res = residuals_lib.forward_saving(
           staged, g, leaves, inp, y, dtype, activations, nbytes
         )
-        return out, fill, zero_row, loss, res
+        return out, fill, grads, loss, res
       d_row, d_act = backward(action, g, row, act, grad, res, x, y)
-      if action == Action.BACKWARD_INPUT:
-        d_row = zero_row
-      elif action == Action.BACKWARD_WEIGHT:
+      if action != Action.BACKWARD_INPUT:
+        grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
+      if action == Action.BACKWARD_WEIGHT:
         d_act = fill
-      return fill, d_act, d_row, zero_loss, no_res
+      return fill, d_act, grads, zero_loss, no_res
 
     return run
 
@@ -557,13 +551,14 @@ def pipeline_loss_and_grad(
 
   def tick(t, carry):
     stash, inbox, saved, grads, loss = carry
-    index, m, chunk, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
-      tables[k, t, stage] for k in range(9)
+    index, m, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
+      tables[k, t, stage] for k in range(8)
     )
-    send_act, send_grad, d_row, d_loss, res = lax.switch(
+    send_act, send_grad, grads, d_loss, res = lax.switch(
       index,
       branches,
       block,
+      grads,
       _read(stash, a_slot),
       _read(inbox, g_slot),
       _read(saved, r_slot),
@@ -573,7 +568,6 @@ def pipeline_loss_and_grad(
     saved = _store(saved, rw_slot, res)
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
-    grads = staged.layout.constrain(_accumulate(grads, chunk, d_row, v))
     return stash, inbox, saved, grads, loss + d_loss
 
   carry = (
