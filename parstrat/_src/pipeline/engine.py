@@ -72,9 +72,13 @@ class FlatLayout:
     for s, group in enumerate(stage_leaves):
       for i in group:
         if i in owner:
+          path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
           raise ValueError(
-            f"Parameter leaf {i} is used by stages {owner[i]} and {s}; "
-            "a pipelined model cannot share weights across stages."
+            f"Parameter {path} is used by stages {owner[i]} and {s}: a pipelined model cannot "
+            "share (tie) a weight across stages, e.g. an output head that reuses the "
+            "embedding (hk.Embed(...).attend). Cut so that every use is in one stage "
+            "(cuts= or stage_boundary markers), untie the weight, or use data_parallel, "
+            "fsdp or tensor."
           )
         owner[i] = s
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
@@ -320,13 +324,27 @@ class StagedModel:
   def num_stages(self) -> int:
     return len(self.program.stage_fns)
 
-  def forward(self, stage: int, row, act, x, y):
-    return self.apply(stage, *self.stage_inputs(stage, row, act, x), y, act.dtype)
+  @property
+  def act_dtype(self):
+    """The dtype activations cross stage boundaries in: the boundary values' own.
+
+    Under mixed precision that is the compute dtype (e.g. bfloat16), not the
+    params' dtype, so the stash and the ppermutes move half the bytes.
+    """
+    between = self.program.boundaries[1:-1] or self.program.boundaries[-1:]
+    return jnp.result_type(*[b.dtype for b in between])
 
   def stage_inputs(self, stage: int, row, act, x):
     """The stage's parameter leaves (sliced from `row`) and its unpadded input."""
     inp = x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
     return self.layout.stage_params(stage, row), inp
+
+  def output(self, stage: int, row, act, x):
+    """Stage `stage`'s output, unpadded, in its own dtype."""
+    return self.program.stage_fns[stage](*self.stage_inputs(stage, row, act, x))
+
+  def forward(self, stage: int, row, act, x, y):
+    return self.apply(stage, *self.stage_inputs(stage, row, act, x), y, act.dtype)
 
   def apply(self, stage: int, leaves, inp, y, dtype):
     """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss)."""
@@ -454,7 +472,7 @@ def pipeline_loss_and_grad(
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
   ys = labels.reshape(M, mb, *labels.shape[1:])
-  W, dtype = staged.width, staged.layout.dtype
+  W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
   keys, branch_index = branch_table(schedule)
   tables = jnp.asarray(
@@ -602,15 +620,19 @@ def pipeline_forward(
   P = G // v
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
-  W, dtype = staged.width, staged.layout.dtype
+  W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
-  dummy_y = jnp.zeros((mb,), jnp.int32)
   out_aval = staged.program.boundaries[-1]
+  out_width = partition_lib.flat_width(out_aval)
+  no_act = jnp.zeros((mb, W), dtype)
+  no_out = jnp.zeros((mb, out_width), out_aval.dtype)
 
-  def branch(g):
+  def branch(g):  # (activation sent on, or the model's output on the last model stage)
     def run(block, act, x):
-      out, _ = _forward_no_loss(staged, g, _chunk(block, g // P), act, x, dummy_y)
-      return out
+      out = staged.output(g, _chunk(block, g // P), act, x)
+      if g == G - 1:
+        return no_act, partition_lib.pad_to(out, out_width).astype(out_aval.dtype)
+      return partition_lib.pad_to(out, W).astype(dtype), no_out
 
     return run
 
@@ -618,29 +640,28 @@ def pipeline_forward(
   for j in range(v):
     branches = [branch(j * P + s) for s in range(P)]
 
-    def tick(t, carry, branches=branches, feed=feed):
-      act, outputs = carry
+    def tick(t, carry, branches=branches, feed=feed, final=j == v - 1):
+      act, sent, outputs = carry
       m = t - stage
       active = (m >= 0) & (m < M)
       index = jnp.clip(m, 0, M - 1)
       x = lax.dynamic_index_in_dim(xs, index, keepdims=False)
-      if feed is not None:  # device 0 continues from the previous round's outputs
+      if feed is not None:  # device 0 continues from the previous round's last activations
         act = jnp.where(stage == 0, lax.dynamic_index_in_dim(feed, index, keepdims=False), act)
-      out = lax.switch(stage, branches, block, act, x)
-      out = jnp.where(active, out, jnp.zeros_like(out))
-      is_last = stage == P - 1
-      outputs = _store(outputs, jnp.where(active & is_last, m, -1), out)
-      return _shift(out, stage_axis, P, +1), outputs
+      send, out = lax.switch(stage, branches, block, act, x)
+      send = jnp.where(active, send, jnp.zeros_like(send))
+      last = jnp.where(active & (stage == P - 1), m, -1)
+      if final:
+        outputs = _store(outputs, last, out)
+      else:
+        sent = _store(sent, last, send)
+      return _shift(send, stage_axis, P, +1), sent, outputs
 
-    carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
-    _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
-    feed = _shift(outputs, stage_axis, P, +1, cyclic=True)
-  outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
+    sent = jnp.zeros((M if j < v - 1 else 1, mb, W), dtype)
+    carry = (no_act, sent, jnp.zeros((M if j == v - 1 else 1, mb, out_width), out_aval.dtype))
+    _, sent, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
+    feed = _shift(sent, stage_axis, P, +1, cyclic=True)
+  outputs = lax.psum(outputs, stage_axis).reshape(M * mb, out_width)
   return partition_lib.unpad(
     outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)
   )
-
-
-def _forward_no_loss(staged: StagedModel, s: int, row, act, x, y):
-  no_loss = dataclasses.replace(staged, loss_fn=lambda out, y: jnp.zeros((), jnp.float32))
-  return no_loss.forward(s, row, act, x, y)
