@@ -353,6 +353,10 @@ def run_strategies(results, repeats):
       )
       rows[name]["bubble_scheduled"] = schedule.bubble_fraction()
       rows[name]["bubble_theory"] = schedule.theoretical_bubble()
+      cost = None
+      if getattr(strategy, "activations", "recompute") == "save":  # no forward reruns
+        cost = dict(zip(list(parstrat.pipeline.Action)[1:], (1.0, 2.0, 1.0, 1.0), strict=True))
+      rows[name]["bubble_lockstep"] = schedule.lockstep_bubble(cost)
       rows[name]["bubble_measured"], state = measured_bubble(trainer, state, placed[0])
     timers[name] = [step, state, placed]
   ratios = {
@@ -540,22 +544,23 @@ def main():
   print(f"model: {block['model']}, global batch {block['global_batch']}")
   header = (
     f"{'':34} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'compile s':>9} {'1st step s':>10} "
-    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble: table (theory) trace':>29}"
+    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble: table (theory) lock-step trace':>38}"
   )
   print(header)
   for name, row in block["rows"].items():
     bubble = ""
     if "bubble_scheduled" in row:
       measured = row["bubble_measured"]
-      bubble = f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f}) " + (
-        f"{measured:.3f}" if measured is not None else "n/a"
+      bubble = (
+        f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f}) "
+        f"{row['bubble_lockstep']:.3f} " + (f"{measured:.3f}" if measured is not None else "n/a")
       )
     print(
       f"{name:34} {1e3 * row['median_s']:9.2f} {1e3 * row['iqr_s']:7.2f} "
       f"{row['examples_per_s']:7,.0f} {row.get('compile_s', float('nan')):9.2f} "
       f"{row['first_step_s']:10.2f} "
       f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
-      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>29}"
+      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>38}"
     )
   print(f"\nstep time ratios (same run, median over {block['passes']} passes):")
   for name, ratio in block["ratios"].items():

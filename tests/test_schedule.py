@@ -257,3 +257,18 @@ def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["schedule", "--help"])
   assert "(default: 1f1b)" in capsys.readouterr().out
+
+
+def test_lockstep_time_charges_each_tick_its_slowest_pass():
+  unit = dict.fromkeys(list(Action)[1:], 1.0)
+  for name in ("gpipe", "1f1b", "zb_h1"):
+    s = pipeline.build_schedule(name, 4, 8)
+    assert s.lockstep_time(unit) == s.num_ticks
+    assert s.lockstep_bubble(unit) == pytest.approx(s.bubble_fraction())
+  # GPipe's ticks are all forwards, then all backwards (3 forwards each with recompute).
+  gpipe = pipeline.build_schedule("gpipe", 4, 8)
+  assert gpipe.lockstep_time() == 11 * 1 + 11 * 3
+  # 1F1B mixes them: from tick 2 on, some device runs a backward in every tick.
+  one_f = pipeline.build_schedule("1f1b", 2, 3)
+  assert one_f.lockstep_time() == 1 + 1 + 6 * 3
+  assert one_f.lockstep_bubble() > one_f.bubble_fraction()

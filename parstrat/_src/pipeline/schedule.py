@@ -155,6 +155,15 @@ THEORY: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
   "interleaved_1f1b": ("(P-1)/(vM+P-1)", lambda P, M, v: (P - 1) / (v * M + P - 1)),
 }
 
+#: What each pass costs on the engine, in forwards of one stage (a backward
+#: costs about two forwards, and each backward pass first reruns the forward).
+RECOMPUTE_COST = {
+  Action.FORWARD: 1.0,
+  Action.BACKWARD: 3.0,
+  Action.BACKWARD_INPUT: 2.0,
+  Action.BACKWARD_WEIGHT: 2.0,
+}
+
 #: The virtual stages each schedule uses when none are given.
 DEFAULT_VIRTUAL_STAGES = {"interleaved_1f1b": 2}
 
@@ -249,6 +258,25 @@ class Schedule:
         peak = max(peak, count)
       live.append(peak)
     return live
+
+  def lockstep_time(self, cost: dict[Action, float] | None = None) -> float:
+    """The step's length when every tick lasts as long as its slowest pass.
+
+    The engine runs ticks in lock-step (each tick ends with the messages all
+    devices exchange), so a tick where one device runs a backward and the
+    others forwards costs a backward. With `cost` per pass (default
+    `RECOMPUTE_COST`, in forwards of one stage: the engine reruns the forward
+    in every backward pass), this is the sum over ticks of the largest cost.
+    """
+    cost = RECOMPUTE_COST if cost is None else cost
+    table = np.vectorize(lambda a: 0.0 if a == Action.IDLE else cost[Action(a)])(self.action)
+    return float(table.max(axis=1).sum()) if table.size else 0.0
+
+  def lockstep_bubble(self, cost: dict[Action, float] | None = None) -> float:
+    """The idle share of `lockstep_time`: 1 - (work per device) / (lock-step time)."""
+    cost = RECOMPUTE_COST if cost is None else cost
+    work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE) / self.stages
+    return 1.0 - work / self.lockstep_time(cost)
 
   def residual_slots(self) -> tuple[np.ndarray, int]:
     """Slots for what a forward keeps for its backward passes (activations="save").
