@@ -435,9 +435,11 @@ def pipeline_loss_and_grad(
     for t in range(T):                        # T = schedule.num_ticks
       match schedule.action[t, s] (of chunk j, microbatch m):
         FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
-        BACKWARD: recompute stage_g at stash[slot], pull back the gradient
-                  arriving from stage g+1 (or the loss / M on the last stage),
-                  accumulate d params[j], send d input back
+        BACKWARD: recompute stage_g at stash[slot] (or, unless activations is
+                  "recompute", rebuild its vjp from the residuals its forward
+                  kept in saved[slot]), pull back the gradient arriving from
+                  stage g+1 (or the loss / M on the last stage), add d params[j]
+                  to the gradients in place, send d input back
         BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
         BACKWARD_WEIGHT: the same, but only d params[j]
         IDLE:     send `bubble_value` (never read by a correct schedule)
