@@ -508,7 +508,9 @@ def pipeline_loss_and_grad(
     ]
     for g in sorted({g for _, g in keys if g >= 0}):
       residuals[g] = residuals_lib.find_residuals(staged, g, *avals, dtype, activations)
-  nbytes = max([1, *(r.nbytes for r in residuals.values())])
+  slot = residuals_lib.slot_format(list(residuals.values()))
+  no_res = jnp.zeros(slot.shape, slot.dtype)
+  res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
 
   def saved_pullback(g, row, act, res, x):
     """(d row, d padded input) of model stage g from its saved residuals."""
@@ -523,11 +525,10 @@ def pipeline_loss_and_grad(
 
     return pull
 
-  def backward(action: Action, g: int, row, act, grad, saved, r_slot, x, y):
+  def backward(action: Action, g: int, row, act, grad, res, x, y):
     """(d row, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
     cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
     if g in residuals:
-      res = lax.dynamic_index_in_dim(saved, r_slot, keepdims=False)
       return saved_pullback(g, row, act, res, x)(cotangents)
     if action == Action.BACKWARD:
       _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
@@ -538,51 +539,54 @@ def pipeline_loss_and_grad(
     _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
     return pullback(cotangents)[0], fill
 
-  # Each branch takes the gradient accumulator (and the residual slots) and
-  # returns them, updated in place only by the passes that write them: no tick
-  # adds or builds a zero buffer the size of the params or of a residual slot.
+  # Each branch takes the gradient accumulator and returns it, adding its chunk's
+  # gradient in place in B and W passes only: no tick adds or builds a zero buffer
+  # the size of the params. (XLA copies what a branch passes through unchanged, so
+  # the residual slots stay outside: a branch reads and returns one slot.)
   def branch(action: Action, g: int):
-    def run(block, grads, saved, r_slot, act, grad, x, y):
+    def run(block, grads, act, grad, res, x, y):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, fill, grads, saved, zero_loss  # (the batch has no gradient)
+        return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
       row = _chunk(block, g // P)
       if action == Action.FORWARD:
         if g not in residuals:
           out, loss = staged.forward(g, row, act, x, y)
-          return out, fill, grads, saved, loss
+          return out, fill, grads, loss, no_res
         leaves, inp = staged.stage_inputs(g, row, act, x)
         out, loss, res = residuals_lib.forward_saving(
-          staged, g, leaves, inp, y, dtype, activations, nbytes
+          staged, g, leaves, inp, y, dtype, activations, slot
         )
-        return out, fill, grads, lax.dynamic_update_index_in_dim(saved, res, r_slot, 0), loss
-      d_row, d_act = backward(action, g, row, act, grad, saved, r_slot, x, y)
+        return out, fill, grads, loss, res
+      d_row, d_act = backward(action, g, row, act, grad, res, x, y)
       if action != Action.BACKWARD_INPUT:
         grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
       if action == Action.BACKWARD_WEIGHT:
         d_act = fill
-      return fill, d_act, grads, saved, zero_loss
+      return fill, d_act, grads, zero_loss, no_res
 
     return run
 
   branches = [branch(action, g) for action, g in keys]
   cyclic = v > 1
-  tables = jnp.concatenate([tables, jnp.asarray(np.maximum(res_slot, 0))[None]])
+  tables = jnp.concatenate([tables, jnp.asarray(np.stack([res_slot, res_write]))])
 
   def tick(t, carry):
     stash, inbox, saved, grads, loss = carry
-    index, m, a_slot, g_slot, ra_slot, rg_slot, r_slot = (tables[k, t, stage] for k in range(7))
-    send_act, send_grad, grads, saved, d_loss = lax.switch(
+    index, m, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
+      tables[k, t, stage] for k in range(8)
+    )
+    send_act, send_grad, grads, d_loss, res = lax.switch(
       index,
       branches,
       block,
       grads,
-      saved,
-      r_slot,
       _read(stash, a_slot),
       _read(inbox, g_slot),
+      _read(saved, r_slot),
       lax.dynamic_index_in_dim(xs, m, keepdims=False),
       lax.dynamic_index_in_dim(ys, m, keepdims=False),
     )
+    saved = _store(saved, rw_slot, res)
     stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
     inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
     return stash, inbox, saved, grads, loss + d_loss
@@ -590,7 +594,7 @@ def pipeline_loss_and_grad(
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
     jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
-    jnp.zeros((num_res, nbytes), jnp.uint8),
+    jnp.zeros((num_res, *slot.shape), slot.dtype),
     staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )

@@ -7,8 +7,9 @@ runs twice; with a `jax.checkpoint_policies` name such as "dots_saveable" it
 keeps what that policy saves and the backward recomputes the rest.
 
 Residuals that are the stage's own parameters or its input are not stored
-again (both are at hand in the backward); the others are packed as bytes into
-one slot of a per-device buffer, `Schedule.residual_slots` slots deep.
+again (both are at hand in the backward); the others are packed into one slot
+of a per-device buffer, `Schedule.residual_slots` slots deep: flattened in
+their own dtype when all residuals share one (the usual case), else as bytes.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ class Residuals:
     return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in self.stored)
 
 
+def slot_format(residuals: Sequence[Residuals]) -> jax.ShapeDtypeStruct:
+  """One residual slot, `[size]` of a dtype, that holds any of the stages' residuals.
+
+  The residuals' own dtype when they all share one, else bytes (uint8).
+  """
+  dtypes = {jnp.dtype(a.dtype) for r in residuals for a in r.stored}
+  if len(dtypes) == 1 and jnp.dtype(jnp.bool_) not in dtypes:
+    (dtype,) = dtypes
+    size = max(sum(int(np.prod(a.shape)) for a in r.stored) for r in residuals)
+    return jax.ShapeDtypeStruct((max(size, 1),), dtype)
+  return jax.ShapeDtypeStruct((max([1, *(r.nbytes for r in residuals)]),), jnp.uint8)
+
+
 def stage_function(staged, stage: int, y, dtype, activations: str):
   """`(leaves, input) -> (padded output, loss)` of one stage, under the remat policy."""
 
@@ -92,13 +106,15 @@ def find_residuals(staged, stage: int, row, act, x, y, dtype, activations: str) 
   return Residuals(found["treedef"], found["sources"], tuple(stored))
 
 
-def forward_saving(staged, stage: int, leaves, inp, y, dtype, activations: str, nbytes: int):
-  """Runs the stage forward; returns `(padded output, loss, stored residuals as [nbytes] uint8)`."""
+def forward_saving(
+  staged, stage: int, leaves, inp, y, dtype, activations: str, slot: jax.ShapeDtypeStruct
+):
+  """Runs the stage forward; returns `(padded output, loss, stored residuals packed in a slot)`."""
   f = stage_function(staged, stage, y, dtype, activations)
   (out, loss), vjp_fn = jax.vjp(f, leaves, inp)
   res, _, sources = _split(vjp_fn, leaves, inp)
   stored = [r for r, source in zip(res, sources, strict=True) if source is None]
-  return out, loss, pack(stored, nbytes)
+  return out, loss, pack(stored, slot)
 
 
 def pullback(residuals: Residuals, packed: jax.Array, leaves, inp):
@@ -117,18 +133,37 @@ def _as_bytes(x: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def pack(arrays: Sequence[jax.Array], nbytes: int) -> jax.Array:
-  """The arrays' bytes, concatenated and zero-padded to `[nbytes]` uint8."""
-  parts = [_as_bytes(x) for x in arrays]
-  flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.uint8)
-  return jnp.pad(flat, (0, nbytes - flat.shape[0]))
+def pack(arrays: Sequence[jax.Array], slot: jax.ShapeDtypeStruct) -> jax.Array:
+  """The arrays flattened (as bytes when `slot` is uint8), concatenated, zero-padded to `slot`."""
+  as_bytes = slot.dtype == jnp.uint8
+  parts = [_as_bytes(x) if as_bytes else x.reshape(-1) for x in arrays]
+  flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), slot.dtype)
+  return jnp.pad(flat, (0, slot.shape[0] - flat.shape[0]))
 
 
 def unpack(flat: jax.Array, avals: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
-  """The inverse of `pack` for arrays shaped like `avals`."""
+  """The inverse of `pack` for arrays shaped like `avals`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from parstrat._src.pipeline import residuals
+    >>> arrays = [jnp.arange(3.0), jnp.array([True, False])]
+    >>> avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    >>> slot = residuals.slot_format([residuals.Residuals(None, (), tuple(avals))])
+    >>> slot.dtype, slot.shape  # mixed dtypes: bytes
+    (dtype('uint8'), (14,))
+    >>> back = residuals.unpack(residuals.pack(arrays, slot), avals)
+    >>> [b.tolist() for b in back]
+    [[0.0, 1.0, 2.0], [True, False]]
+  """
   out, offset = [], 0
   for aval in avals:
     dtype = jnp.dtype(aval.dtype)
+    if flat.dtype == dtype:  # stored in its own dtype
+      n = int(np.prod(aval.shape))
+      out.append(lax.slice_in_dim(flat, offset, offset + n).reshape(aval.shape))
+      offset += n
+      continue
     n = int(np.prod(aval.shape)) * dtype.itemsize
     chunk = lax.slice_in_dim(flat, offset, offset + n)
     offset += n
