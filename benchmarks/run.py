@@ -2,20 +2,28 @@
 
 Measures, on the same model and global batch:
 
-* data parallel: single-device `jax.jit`, hand-written `jax.pmap` (replicated
-  params, `pmean` of gradients) and `parstrat.DataParallel`;
-* pipeline: single-device `jax.jit`, a hand-written `shard_map` + `ppermute`
-  GPipe loop (homogeneous stages, autodiff through the loop), and
-  `parstrat.PipelineModelParallel` (gpipe and 1f1b) and `parstrat.Hybrid`;
+* data parallel: single-device `jax.jit`, hand-written `jax.pmap` and
+  `jit(shard_map)` (replicated params, one `pmean` of loss and gradients),
+  `parstrat.DataParallel` and `parstrat.FSDP`;
+* pipeline: a hand-written `shard_map` + `ppermute` GPipe loop (homogeneous
+  stages, autodiff through the loop), and `parstrat.PipelineModelParallel`
+  under every schedule (gpipe, 1f1b, zb_h1, interleaved_1f1b) at the same
+  P and M, and `parstrat.Hybrid`; each with the idle share of its tick table,
+  and the share of its pipeline loop a device spends outside its stage
+  computations, measured from a `jax.profiler` trace of one compiled step;
 * memory: per-device parameter + optimizer bytes from the arrays' addressable
   shards, and the compiled step's temporary bytes from `memory_analysis()`,
-  for gpipe vs 1f1b at P=4, M=16.
+  for the four schedules (and `activations="save"`) at P=4, M=16.
+
+Every row's batches are placed on the devices before timing (as the
+hand-written references' are), so no row pays a host-to-device copy.
 
 Times are medians of repeated steps after a warm-up; ratios compare programs
 measured in the same run, which is all that virtual CPU devices (all sharing
 this machine's cores) can honestly support.
 
-Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--json benchmarks/results.json]
+Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--passes 3] [--quick]
+[--json benchmarks/results.json]
 (also writes the charts beside the JSON: results_strategies.png, results_scaling_bubble.png)
 """
 
@@ -23,9 +31,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
+import gzip
 import json
 import os
 import platform
+import tempfile
 import time
 
 import parstrat.testing
@@ -35,7 +46,11 @@ def _parse() -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=30)
+  parser.add_argument("--passes", type=int, default=3, help="timing passes over every row")
   parser.add_argument("--json", default="benchmarks/results.json")
+  parser.add_argument(
+    "--quick", action="store_true", help="only the strategy and memory tables (no charts)"
+  )
   return parser.parse_args()
 
 
@@ -123,8 +138,31 @@ def pmap_reference(model, optimizer, params, n):
   return step, state, shard
 
 
-def shard_map_gpipe_reference(width, stages, microbatches, optimizer):
-  """A hand-written GPipe: one Linear(width)+swish per stage, stacked weights."""
+def shard_map_dp_reference(model, optimizer, params, n):
+  """Data parallelism as a user writes it today: `jit(shard_map)` + one `pmean`."""
+  mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+  loss = loss_of(model)
+
+  def local(params, x, y):  # check_vma=False: the gradient is local, the pmean averages it
+    return lax.pmean(jax.value_and_grad(loss)(params, x, y), "data")
+
+  grad_fn = jax.shard_map(
+    local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
+  )
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(carry, batch):
+    params, opt_state = carry
+    _, grads = grad_fn(params, *batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  state = jax.device_put((params, optimizer.init(params)), NamedSharding(mesh, P()))
+  return step, state, lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+
+
+def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=1):
+  """A hand-written GPipe: `per_stage` x (Linear(width)+swish) per stage, stacked weights."""
   mesh = jax.make_mesh(
     (stages,),
     ("stage",),
@@ -132,21 +170,23 @@ def shard_map_gpipe_reference(width, stages, microbatches, optimizer):
     axis_types=(jax.sharding.AxisType.Auto,),
   )
   key = jax.random.key(0)
-  w = jax.random.normal(key, (stages, width, width)) / np.sqrt(width)
-  b = jnp.zeros((stages, width))
+  w = jax.random.normal(key, (stages, per_stage, width, width)) / np.sqrt(width)
+  b = jnp.zeros((stages, per_stage, width))
   params = (w, b)
 
   def pipeline_logits(params, x):
-    w, b = params  # this stage's [1, width, width], [1, width]
+    w, b = params  # this stage's [1, per_stage, width, width], [1, per_stage, width]
     stage = lax.axis_index("stage")
     M = microbatches
     xs = x.reshape(M, -1, width)
 
     def tick(carry, t):
       act, outs = carry
-      inp = jnp.where(stage == 0, xs[jnp.clip(t, 0, M - 1)], act)
-      h = inp @ w[0] + b[0]
-      h = jnp.where(stage == stages - 1, h, jax.nn.swish(h))
+      h = jnp.where(stage == 0, xs[jnp.clip(t, 0, M - 1)], act)
+      for k in range(per_stage):
+        h = h @ w[0, k] + b[0, k]
+        last = (stage == stages - 1) & (k == per_stage - 1)
+        h = jnp.where(last, h, jax.nn.swish(h))
       m = t - (stages - 1)
       outs = jnp.where(
         (stage == stages - 1) & (m >= 0), outs.at[jnp.clip(m, 0, M - 1)].set(h), outs
@@ -188,6 +228,42 @@ def parstrat_step(trainer, sample):
   return step, state
 
 
+def measured_bubble(trainer, state, batch):
+  """The share of the pipeline loop each device spends outside its stage computations.
+
+  From a `jax.profiler` trace of one compiled step: per device (the trace's
+  `device_ordinal`), the loop's span from its first to its last `conditional`
+  (the engine's `lax.switch` over the tick's pass) minus the time inside them,
+  over the span; the mean over devices. This counts idle ticks and also the
+  messages and buffer updates between ticks; on virtual CPU devices sharing
+  cores, a device waiting for a core looks busy, so the number is a rough one.
+
+  Returns:
+    `(mean share, new state)`, or `(None, state)` when the trace has no such events.
+  """
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      state, _ = trainer.step(state, batch)
+      jax.block_until_ready(state)
+    files = glob.glob(f"{folder}/**/perfetto_trace.json.gz", recursive=True)
+    if not files:
+      return None, state
+    with gzip.open(files[0]) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  spans: dict[str, list[tuple[float, float]]] = {}
+  for e in events:
+    args = e.get("args", {})
+    if e.get("ph") == "X" and e["name"].startswith("conditional") and "device_ordinal" in args:
+      spans.setdefault(args["device_ordinal"], []).append((e["ts"], e["ts"] + e["dur"]))
+  shares = []
+  for intervals in spans.values():
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy = sum(end - start for start, end in intervals)
+    shares.append(1 - busy / span if span > 0 else 0.0)
+  return (float(np.mean(shares)) if shares else None), state
+
+
 def bytes_per_device(tree) -> int:
   """Parameter + optimizer bytes on the first device, from addressable shards."""
   device = jax.devices()[0]
@@ -199,7 +275,14 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-WIDTH, LAYERS, BATCH = 512, 4, 256
+WIDTH, LAYERS, BATCH = 512, 8, 256
+STAGES, MICRO = 4, 8
+SCHEDULES = (
+  ("gpipe", {}),
+  ("1f1b", {}),
+  ("zb_h1", {}),
+  ("interleaved_1f1b", {"virtual_stages": 2}),
+)
 
 
 def _row(step, state, batches, repeats, lower=None):
@@ -214,58 +297,102 @@ def _row(step, state, batches, repeats, lower=None):
   if compiled is not None:
     row["compile_s"] = compile_s
     row["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
-  return row
+  return row, state
 
 
 def run_strategies(results, repeats):
-  """Every strategy and reference on one model (512 -> 4 x Linear(512)) and global batch."""
+  """Every strategy and hand-written reference on one model and global batch."""
   n = ARGS.devices
   model = mlp([WIDTH] * LAYERS)
   images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
   batches = list(zip(images, labels, strict=True))
   optimizer = optax.adam(LR)
   params = jax.jit(model.init)(jax.random.key(0), images[0][:1])
-  rows = {}
+  rows, timers = {}, {}
 
-  step, state, put = jit_reference(model, optimizer, params)
-  placed = [put(b) for b in batches]
-  rows["jit, 1 device"] = _row(step, state, placed, repeats, lambda s: step.lower(s, placed[0]))
-  step, state, put = pmap_reference(model, optimizer, params, n)
-  placed = [put(b) for b in batches]
-  rows[f"pmap by hand, {n}"] = _row(
-    step, state, placed, repeats, lambda s: step.lower(s, placed[0])
-  )
-  step, state, put = shard_map_gpipe_reference(WIDTH, LAYERS, 8, optimizer)
-  placed = [put(b) for b in batches]
-  rows["shard_map GPipe by hand, P4 M8"] = _row(
-    step, state, placed, repeats, lambda s: step.lower(s, placed[0])
+  def reference(name, built):
+    step, state, put = built
+    placed = [put(b) for b in batches]
+    rows[name], state = _row(step, state, placed, repeats, lambda s: step.lower(s, placed[0]))
+    timers[name] = [step, state, placed]
+
+  reference("jit, 1 device", jit_reference(model, optimizer, params))
+  reference(f"pmap by hand, {n}", pmap_reference(model, optimizer, params, n))
+  reference(f"jit(shard_map) by hand, {n}", shard_map_dp_reference(model, optimizer, params, n))
+  hand_gpipe = f"shard_map GPipe by hand, P{STAGES} M{MICRO}"
+  reference(
+    hand_gpipe,
+    shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage=LAYERS // STAGES),
   )
   configs = {
     f"data_parallel, {n}": parstrat.DataParallel(data=n),
-    "pipeline gpipe, P4 M8": parstrat.PipelineModelParallel(
-      stages=4, microbatches=8, schedule="gpipe"
-    ),
-    "pipeline 1f1b, P4 M8": parstrat.PipelineModelParallel(
-      stages=4, microbatches=8, schedule="1f1b"
-    ),
-    "hybrid 2x4, M4": parstrat.Hybrid(data=2, stages=4, microbatches=4),
+    f"fsdp, {n}": parstrat.FSDP(data=n),
   }
+  for schedule, options in SCHEDULES:
+    configs[f"pipeline {schedule}, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
+      stages=STAGES, microbatches=MICRO, schedule=schedule, **options
+    )
+  configs[f"pipeline 1f1b save, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
+    stages=STAGES, microbatches=MICRO, activations="save"
+  )
+  configs["hybrid 2x4, M4"] = parstrat.Hybrid(data=2, stages=4, microbatches=4)
   for name, strategy in configs.items():
     trainer = strategy(model, optimizer)
     step, state = parstrat_step(trainer, images[0][:1])
-    rows[name] = _row(step, state, batches, repeats, lambda s, t=trainer: t.lower(s, batches[0]))
+    sharding = NamedSharding(trainer.mesh, trainer.plan.batch_spec)
+    placed = [jax.device_put(b, sharding) for b in batches]
+    rows[name], state = _row(
+      step, state, placed, repeats, lambda s, t=trainer, b=placed[0]: t.lower(s, b)
+    )
     if name.startswith(("pipeline", "hybrid")):
-      schedule = parstrat.pipeline.build_schedule(strategy.schedule, 4, strategy.microbatches)
+      schedule = parstrat.pipeline.build_schedule(
+        strategy.schedule,
+        strategy.stages,
+        strategy.microbatches,
+        virtual_stages=strategy.virtual_stages,
+      )
       rows[name]["bubble_scheduled"] = schedule.bubble_fraction()
       rows[name]["bubble_theory"] = schedule.theoretical_bubble()
+      cost = None
+      if getattr(strategy, "activations", "recompute") == "save":  # no forward reruns
+        cost = dict(zip(list(parstrat.pipeline.Action)[1:], (1.0, 2.0, 1.0, 1.0), strict=True))
+      rows[name]["bubble_lockstep"] = schedule.lockstep_bubble(cost)
+      rows[name]["bubble_measured"], state = measured_bubble(trainer, state, placed[0])
+    timers[name] = [step, state, placed]
+  ratios = {
+    f"data_parallel / jit(shard_map) by hand, {n}": (
+      f"data_parallel, {n}",
+      f"jit(shard_map) by hand, {n}",
+    ),
+    f"fsdp / jit(shard_map) by hand, {n}": (f"fsdp, {n}", f"jit(shard_map) by hand, {n}"),
+    f"data_parallel / pmap by hand, {n}": (f"data_parallel, {n}", f"pmap by hand, {n}"),
+  }
+  for name in configs:
+    if name.startswith("pipeline"):
+      ratios[f"{name} / hand GPipe"] = (name, hand_gpipe)
+  # More passes over every row, one after the other, so that a burst of load on the
+  # shared cores hits all rows of a pass alike: step times are the median over passes,
+  # and each ratio the median of its per-pass ratios.
+  for row in rows.values():
+    row["pass_medians_s"] = [row["median_s"]]
+  for _ in range(ARGS.passes - 1):
+    for name, timer in timers.items():
+      more, timer[1] = timed(*timer, repeats)
+      rows[name]["pass_medians_s"].append(more["median_s"])
+  for row in rows.values():
+    row["median_s"] = float(np.median(row["pass_medians_s"]))
+    row["examples_per_s"] = BATCH / row["median_s"]
+
+  def ratio(a, b):
+    per_pass = np.divide(rows[a]["pass_medians_s"], rows[b]["pass_medians_s"])
+    return float(np.median(per_pass))
+
   results["strategies"] = {
     "model": f"{WIDTH} -> {LAYERS} x Linear({WIDTH}), swish, Adam",
     "global_batch": BATCH,
+    "passes": ARGS.passes,
     "rows": rows,
-    "ratio_data_parallel_vs_pmap": rows[f"data_parallel, {n}"]["median_s"]
-    / rows[f"pmap by hand, {n}"]["median_s"],
-    "ratio_pipeline_1f1b_vs_hand_gpipe": rows["pipeline 1f1b, P4 M8"]["median_s"]
-    / rows["shard_map GPipe by hand, P4 M8"]["median_s"],
+    "ratios": {k: ratio(a, b) for k, (a, b) in ratios.items()},
   }
 
 
@@ -280,11 +407,11 @@ def run_scaling(results, repeats):
       continue
     trainer = parstrat.DataParallel(data=count)(model, optax.adam(LR))
     step, state = parstrat_step(trainer, images[0][:1])
-    out["data_parallel"][count] = _row(step, state, batches, repeats)["examples_per_s"]
+    out["data_parallel"][count] = _row(step, state, batches, repeats)[0]["examples_per_s"]
     if count <= LAYERS:
       trainer = parstrat.PipelineModelParallel(stages=count, microbatches=8)(model, optax.adam(LR))
       step, state = parstrat_step(trainer, images[0][:1])
-      out["pipeline 1f1b"][count] = _row(step, state, batches, repeats)["examples_per_s"]
+      out["pipeline 1f1b"][count] = _row(step, state, batches, repeats)[0]["examples_per_s"]
   results["scaling"] = out
 
 
@@ -294,35 +421,53 @@ def run_bubble(results, repeats):
   images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
   batches = list(zip(images, labels, strict=True))
   out = {}
-  for m in (1, 2, 4, 8, 16, 32):
+  for m in (1, 2, 4, 8, 16):
     schedule = parstrat.pipeline.build_schedule("1f1b", 4, m)
     trainer = parstrat.PipelineModelParallel(stages=4, microbatches=m)(model, optax.adam(LR))
     step, state = parstrat_step(trainer, images[0][:1])
     out[m] = {
       "theory": schedule.theoretical_bubble(),
       "scheduled": schedule.bubble_fraction(),
-      "median_s": _row(step, state, batches, max(5, repeats // 3))["median_s"],
+      "median_s": _row(step, state, batches, max(5, repeats // 3))[0]["median_s"],
     }
   results["bubble_P4"] = out
 
 
 def run_memory(results):
-  width, stages, microbatches, batch = 512, 4, 16, 2048
-  model = mlp([width] * stages)
-  images, labels = parstrat.testing.random_batches(1, batch, features=width, classes=width)
+  """Compiled temporaries per device of every schedule at P=4, M=16 (lowered abstractly)."""
+  microbatches, batch = 16, 2048
+  model = mlp([WIDTH] * LAYERS)
+  sample = np.zeros((1, WIDTH), np.float32)
+  abstract_batch = (
+    jax.ShapeDtypeStruct((batch, WIDTH), jnp.float32),
+    jax.ShapeDtypeStruct((batch,), jnp.int32),
+  )
   out = {}
-  for schedule in ("gpipe", "1f1b"):
-    trainer = parstrat.PipelineModelParallel(
-      stages=stages, microbatches=microbatches, schedule=schedule
-    )(model, optax.adam(LR))
-    state = trainer.init(jax.random.key(0), images[0][:1])
-    analysis = trainer.lower(state, (images[0], labels[0])).compile().memory_analysis()
-    out[schedule] = {
+  variants = [(name, options, "recompute") for name, options in SCHEDULES]
+  variants.append(("1f1b", {}, "save"))
+  for schedule, options, activations in variants:
+    strategy = parstrat.PipelineModelParallel(
+      stages=STAGES,
+      microbatches=microbatches,
+      schedule=schedule,
+      activations=activations,
+      **options,
+    )
+    trainer = strategy(model, optax.adam(LR))
+    state = trainer.init_abstract(jax.random.key(0), sample)
+    analysis = trainer.lower(state, abstract_batch).compile().memory_analysis()
+    table = parstrat.pipeline.build_schedule(
+      schedule, STAGES, microbatches, virtual_stages=strategy.virtual_stages
+    )
+    name = schedule if activations == "recompute" else f"{schedule} {activations}"
+    out[name] = {
       "temp_bytes": int(analysis.temp_size_in_bytes),
-      "param_opt_bytes_per_device": bytes_per_device(state),
-      "activation_slots": parstrat.pipeline.build_schedule(
-        schedule, stages, microbatches
-      ).num_act_slots,
+      "param_opt_bytes_per_device": sum(
+        int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(state)
+      ),
+      "activation_slots": table.num_act_slots,
+      "peak_live": max(table.max_live_activations()),
     }
   results["memory_P4_M16"] = {"global_batch": batch, "rows": out}
 
@@ -389,54 +534,58 @@ def main():
     f"devices on {os.cpu_count()} cores, jax {jax.__version__}",
     "repeats": ARGS.repeats,
   }
-  run_strategies(results, ARGS.repeats)
-  run_scaling(results, ARGS.repeats)
-  run_bubble(results, ARGS.repeats)
   run_memory(results)
+  run_strategies(results, ARGS.repeats)
+  if not ARGS.quick:
+    run_scaling(results, ARGS.repeats)
+    run_bubble(results, ARGS.repeats)
   block = results["strategies"]
   print(f"machine: {results['machine']}")
   print(f"model: {block['model']}, global batch {block['global_batch']}")
   header = (
-    f"{'':32} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'compile s':>9} {'1st step s':>10} "
-    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble':>13}"
+    f"{'':34} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'compile s':>9} {'1st step s':>10} "
+    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble: table (theory) lock-step trace':>38}"
   )
   print(header)
   for name, row in block["rows"].items():
-    bubble = (
-      f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f})"
-      if "bubble_scheduled" in row
-      else ""
-    )
+    bubble = ""
+    if "bubble_scheduled" in row:
+      measured = row["bubble_measured"]
+      bubble = (
+        f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f}) "
+        f"{row['bubble_lockstep']:.3f} " + (f"{measured:.3f}" if measured is not None else "n/a")
+      )
     print(
-      f"{name:32} {1e3 * row['median_s']:9.2f} {1e3 * row['iqr_s']:7.2f} "
+      f"{name:34} {1e3 * row['median_s']:9.2f} {1e3 * row['iqr_s']:7.2f} "
       f"{row['examples_per_s']:7,.0f} {row.get('compile_s', float('nan')):9.2f} "
       f"{row['first_step_s']:10.2f} "
       f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
-      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>13}"
+      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>38}"
     )
-  print(
-    f"\ndata_parallel / hand-written pmap step time: {block['ratio_data_parallel_vs_pmap']:.3f}"
-  )
-  print(
-    "pipeline 1f1b / hand-written shard_map GPipe step time: "
-    f"{block['ratio_pipeline_1f1b_vs_hand_gpipe']:.3f}"
-  )
-  print("\nscaling (examples/s):")
-  for name, series in results["scaling"].items():
-    print(f"  {name:14} " + "  ".join(f"{c} dev: {v:,.0f}" for c, v in series.items()))
-  print("\nbubble at P=4 (1f1b): M, theory, idle share of the table, median step ms")
-  for m, row in results["bubble_P4"].items():
-    print(f"  M={m:<3} {row['theory']:.3f}  {row['scheduled']:.3f}  {1e3 * row['median_s']:.2f}")
-  print("\nmemory at P=4, M=16, global batch 2048 (per device):")
-  for schedule, row in results["memory_P4_M16"]["rows"].items():
+  print(f"\nstep time ratios (same run, median over {block['passes']} passes):")
+  for name, ratio in block["ratios"].items():
+    print(f"  {name:56} {ratio:.3f}")
+  if "scaling" in results:
+    print("\nscaling (examples/s):")
+    for name, series in results["scaling"].items():
+      print(f"  {name:14} " + "  ".join(f"{c} dev: {v:,.0f}" for c, v in series.items()))
+    print("\nbubble at P=4 (1f1b): M, theory, idle share of the table, median step ms")
+    for m, row in results["bubble_P4"].items():
+      print(f"  M={m:<3} {row['theory']:.3f}  {row['scheduled']:.3f}  {1e3 * row['median_s']:.2f}")
+  memory = results["memory_P4_M16"]
+  print(f"\nmemory per device at P=4, M=16, global batch {memory['global_batch']}:")
+  for schedule, row in memory["rows"].items():
     print(
-      f"  {schedule:6} temp {row['temp_bytes'] / 2**20:8.2f} MiB, params+opt "
+      f"  {schedule:18} temp {row['temp_bytes'] / 2**20:8.2f} MiB, params+opt "
       f"{row['param_opt_bytes_per_device'] / 2**20:.2f} MiB, "
-      f"{row['activation_slots']} activation slots"
+      f"{row['activation_slots']} activation slots, peak {row['peak_live']} live"
     )
   with open(ARGS.json, "w") as f:
     json.dump(results, f, indent=2)
   prefix = os.path.splitext(ARGS.json)[0]
+  if ARGS.quick:
+    print(f"\nwrote {ARGS.json}")
+    return
   draw_charts(results, prefix)
   print(f"\nwrote {ARGS.json}, {prefix}_strategies.png, {prefix}_scaling_bubble.png")
 

@@ -1,4 +1,4 @@
-"""Pipeline building blocks: stage cuts, schedules as data, and drawing them."""
+"""Pipeline building blocks: stage cuts, schedules as data (and CSV), and drawing them."""
 
 from parstrat._src.pipeline.partition import Layer
 from parstrat._src.pipeline.partition import StagePlan
@@ -9,6 +9,8 @@ from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.pipeline.schedule import build_schedule
 from parstrat._src.pipeline.schedule import check_schedule
 from parstrat._src.pipeline.schedule import theoretical_bubble
+from parstrat._src.pipeline.schedule_csv import from_csv
+from parstrat._src.pipeline.schedule_csv import to_csv
 
 __all__ = [
   "Action",
@@ -17,7 +19,9 @@ __all__ = [
   "StagePlan",
   "build_schedule",
   "check_schedule",
+  "from_csv",
   "plan_stages",
   "stage_boundary",
   "theoretical_bubble",
+  "to_csv",
 ]

@@ -18,6 +18,16 @@ def test_matches_single_device_jit(data, stages):
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
 
 
+@pytest.mark.parametrize("schedule", ["zb_h1", "interleaved_1f1b"])
+def test_zero_bubble_and_interleaved_match_single_device_jit(schedule):
+  # 2 replicas x 2 devices; interleaved: 4 model stages, 2 per device. SGD only (Adam
+  # runs on both schedules in tests/test_pipeline.py).
+  strategy = parstrat.Hybrid(
+    data=2, stages=2, microbatches=2, schedule=schedule, bubble_value=float("nan")
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
+
+
 def test_stage_replicas_are_identical_and_each_device_holds_one_stage():
   trainer = parstrat.Hybrid(data=2, stages=4, microbatches=2)(DEEP_MLP, optax.sgd(0.1))
   images, labels = parstrat.testing.random_batches(3, 16)

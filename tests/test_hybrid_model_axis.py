@@ -25,6 +25,23 @@ def test_2x2x2_matches_single_device_jit_with_sgd_and_adam():
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
 
 
+def test_interleaved_with_a_model_axis_matches_single_device_jit():
+  # Four model stages (two chunks per device), each split over "model" where it can be,
+  # with the forward residuals kept for the backward.
+  strategy = parstrat.Hybrid(
+    data=1,
+    stages=2,
+    model=2,
+    microbatches=2,
+    schedule="interleaved_1f1b",
+    activations="save",
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, ODD_STAGE, [optax.sgd(0.1)], steps=3, batch=8, features=FEATURES
+  )
+
+
 def test_each_device_holds_its_stage_and_one_tth_of_each_split_weight():
   trainer = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS)(ODD_STAGE, optax.sgd(0.1))
   images, labels = parstrat.testing.random_batches(1, 16, features=FEATURES)

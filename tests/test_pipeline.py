@@ -1,3 +1,5 @@
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,17 @@ def test_microbatches_must_divide_the_batch():
     (dict(stages=16), ValueError, "needs 16 devices, but only 8 are available"),
     (dict(stages=2, microbatches=0), ValueError, "microbatches must be a positive integer, got 0"),
     (dict(stages=2, schedule="interleaved"), ValueError, "Unknown schedule 'interleaved'"),
+    (dict(stages=2, activations="keep"), ValueError, "Unknown activations 'keep'; choose one"),
+    (
+      dict(stages=2, schedule="gpipe", virtual_stages=2),
+      ValueError,
+      "virtual_stages=2 needs schedule 'interleaved_1f1b'",
+    ),
+    (
+      dict(stages=4, schedule=pipeline.build_schedule("1f1b", 2, 2)),
+      ValueError,
+      "The '1f1b' schedule runs stages=2, not 4",
+    ),
   ],
 )
 def test_bad_configs(kwargs, error, message):
@@ -190,6 +203,120 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
     stages=stages, microbatches=microbatches, schedule=schedule
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=20, batch=32)
+
+
+# Zero bubble (backward split into I and W) and interleaved virtual stages (8 model
+# stages on 4 devices: DEEP_MLP's 8 layers, chunk c on device c % 4, wrapping from
+# device 3 to device 0), NaN in every bubble.
+@pytest.mark.parametrize(
+  "stages, microbatches, schedule, virtual_stages",
+  [(4, 4, "zb_h1", None), (4, 4, "interleaved_1f1b", 2)],
+)
+def test_zero_bubble_and_interleaved_match_jit(stages, microbatches, schedule, virtual_stages):
+  strategy = parstrat.PipelineModelParallel(
+    stages=stages,
+    microbatches=microbatches,
+    schedule=schedule,
+    virtual_stages=virtual_stages,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, DEEP_MLP, [optax.sgd(0.1), optax.adam(1e-3)], steps=3, batch=16
+  )
+
+
+def test_a_schedule_read_from_csv_runs():
+  # Designed by hand: stage 1 runs full backwards, stage 0 splits its second one into
+  # an input-gradient and a weight-gradient pass.
+  schedule = pipeline.from_csv("0F0,0F1,,0B0,,0I1,0W1\n,1F0,1B0,1F1,1B1,,\n", name="mine")
+  strategy = parstrat.PipelineModelParallel(stages=2, schedule=schedule)
+  reports = parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=8)
+  assert len(reports[0].losses) == 3
+
+
+def test_interleaved_apply_matches_the_model_and_each_device_holds_its_chunks():
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2
+  )
+  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+  images, _ = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  params = trainer.params(state)
+  np.testing.assert_allclose(
+    trainer.apply(state, images[0]), DEEP_MLP.apply(params, None, images[0]), atol=1e-6
+  )
+  # Device s holds rows for model stages s and s + 4: layers s and s + 4 of the 8.
+  rows = {shard.device: np.asarray(shard.data) for shard in state.params.addressable_shards}
+  for s, device in enumerate(trainer.mesh.devices.flat):
+    assert rows[device].shape[0] == 2
+    for chunk in range(2):
+      layer = params[f"mlp/~/linear_{chunk * 4 + s}"]
+      own = np.concatenate([np.asarray(layer[k]).reshape(-1) for k in ("b", "w")])
+      np.testing.assert_array_equal(rows[device][chunk, : own.size], own)
+
+
+# ------------------------------------------------------------ activation memory
+WIDE = mlp([64, 64, 64, 10])  # four layers, every boundary 64 wide
+
+
+@functools.cache
+def _compiled_cost(microbatches, schedule="1f1b", activations="recompute"):
+  """(temporaries in microbatch activation slots, XLA's FLOP count) of the step at P=4.
+
+  Microbatches of 8 examples, lowered abstractly (nothing is allocated).
+  """
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=microbatches, schedule=schedule, activations=activations
+  )
+  trainer = strategy(WIDE, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  batch = (
+    jax.ShapeDtypeStruct((8 * microbatches, 16), jnp.float32),
+    jax.ShapeDtypeStruct((8 * microbatches,), jnp.int32),
+  )
+  compiled = trainer.lower(state, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  slot_bytes = 8 * 64 * 4
+  return compiled.memory_analysis().temp_size_in_bytes / slot_bytes, cost["flops"]
+
+
+def test_1f1b_holds_p_activation_slots_not_m():
+  # Doubling M (same microbatch size) adds M stash slots to GPipe and none to 1F1B,
+  # in the compiled program's memory, not only in the table.
+  M = 8
+  gpipe = _compiled_cost(2 * M, "gpipe")[0] - _compiled_cost(M, "gpipe")[0]
+  one_f = _compiled_cost(2 * M)[0] - _compiled_cost(M)[0]
+  assert gpipe >= M, gpipe
+  assert one_f < 1, one_f
+
+
+def test_activation_policies_trade_memory_for_compute():
+  recompute, save, dots = (_compiled_cost(8, activations=a) for a in ACTIVATIONS)
+  # Keeping residuals costs memory and saves the forward rerun in every backward.
+  assert recompute[0] < dots[0] < save[0], (recompute, dots, save)
+  assert save[1] < recompute[1] and dots[1] < recompute[1], (recompute, dots, save)
+  # The residual slots follow the schedule, not M: 1F1B still holds P of them.
+  assert _compiled_cost(16, activations="save")[0] - save[0] < 1
+
+
+ACTIVATIONS = ("recompute", "save", "dots_saveable")
+
+
+@pytest.mark.parametrize(
+  "schedule, activations, virtual_stages",
+  [("zb_h1", "save", None), ("interleaved_1f1b", "dots_saveable", 2)],
+)
+def test_saved_activations_match_jit(schedule, activations, virtual_stages):
+  strategy = parstrat.PipelineModelParallel(
+    stages=4,
+    microbatches=4,
+    schedule=schedule,
+    virtual_stages=virtual_stages,
+    activations=activations,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 
 
 # ------------------------------------------------------------------ placement

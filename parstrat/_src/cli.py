@@ -166,8 +166,22 @@ def build_parser() -> argparse.ArgumentParser:
   sched = sub.add_parser("schedule", help="print and draw a pipeline schedule")
   sched.add_argument("--stages", type=_positive, required=True)
   sched.add_argument("--microbatches", type=_positive, required=True)
-  sched.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+  sched.add_argument(
+    "--schedule",
+    choices=("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"),
+    default="1f1b",
+    help="the schedule (default: %(default)s)",
+  )
+  sched.add_argument(
+    "--virtual-stages",
+    type=_positive,
+    default=None,
+    help="model chunks per device, interleaved_1f1b only (default: 2 for it, else 1)",
+  )
   sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
+  sched.add_argument(
+    "--csv", default=None, help="CSV file to write the schedule into (torch.distributed format)"
+  )
 
   sub.add_parser("list", help="list the registered strategies")
   return parser
@@ -592,13 +606,16 @@ def schedule(args: argparse.Namespace) -> None:
   from parstrat._src.pipeline import schedule as schedule_lib
 
   try:
-    table = schedule_lib.build_schedule(args.schedule, args.stages, args.microbatches)
+    table = schedule_lib.build_schedule(
+      args.schedule, args.stages, args.microbatches, virtual_stages=args.virtual_stages
+    )
   except ValueError as e:
     raise UsageError(str(e)) from None
   print(table)
+  formula = schedule_lib.THEORY[table.name][0]
   print(
     f"bubble fraction: {table.bubble_fraction():.4f} measured, "
-    f"{table.theoretical_bubble():.4f} theory (P-1)/(M+P-1); "
+    f"{table.theoretical_bubble():.4f} theory {formula}; "
     f"peak live activations per stage: {table.max_live_activations()}"
   )
   if args.out:
@@ -609,6 +626,15 @@ def schedule(args: argparse.Namespace) -> None:
     except OSError as e:
       raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.out}")
+  if args.csv:
+    from parstrat._src.pipeline import schedule_csv
+
+    try:
+      with open(args.csv, "w", encoding="utf-8") as f:
+        f.write(schedule_csv.to_csv(table))
+    except OSError as e:
+      raise UsageError(f"cannot write {args.csv}: {e.strerror or e}") from None
+    print(f"wrote {args.csv}")
 
 
 def list_strategies() -> None:

@@ -23,6 +23,7 @@ from parstrat._src.data_parallel import DATA
 from parstrat._src.data_parallel import average_gradients
 from parstrat._src.pipeline import engine
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline import schedule as schedule_lib
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Params
@@ -50,18 +51,21 @@ def make_pipeline_plan(
   *,
   stages: int,
   microbatches: int,
-  schedule: str,
+  schedule: str | schedule_lib.Schedule,
   balance: str,
   cuts: Sequence[int] | None,
   bubble_value: float,
   mesh: Mesh | None = None,
+  virtual_stages: int | None = None,
+  activations: str = "recompute",
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
-  Params are stored as one flat `[stages, size]` buffer sharded over "stage"
-  (replicated over "data"); the batch is split over "data" and each replica
-  runs the pipeline schedule over its block; gradients are then averaged over
-  "data" only.
+  Params are stored as one flat `[stages * v, size]` buffer sharded over
+  "stage" (replicated over "data"), so each device holds its v chunks' rows
+  (v = virtual_stages, 1 but for "interleaved_1f1b"); the batch is split over
+  "data" and each replica runs the pipeline schedule over its block;
+  gradients are then averaged over "data" only.
 
   When `mesh` also has a "model" axis of size T > 1, each stage's layers are
   split over "model" as `tensor_split.analyse` says (groups within a stage),
@@ -69,14 +73,15 @@ def make_pipeline_plan(
   partitioner.
   """
   _check_positive("microbatches", microbatches)
-  sched = schedule_lib.build_schedule(schedule, stages, microbatches)
+  sched = _schedule_for(schedule, stages, microbatches, virtual_stages)
+  v = sched.virtual_stages
 
   # The trainer refuses models with state or randomness for the pipeline, so
   # the model's outputs are a function of the params and inputs alone.
   apply = outputs_fn(model)
 
   stage_plan = partition_lib.plan_stages(
-    apply, sample_params, sample_inputs, stages, balance=balance, cuts=cuts
+    apply, sample_params, sample_inputs, stages * v, balance=balance, cuts=cuts
   )
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
   parts = 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
@@ -88,10 +93,10 @@ def make_pipeline_plan(
     split = tensor_split.analyse(apply, sample_params, sample_inputs, parts, stage_of=stage_of)
     notes = split.describe(stage_of)
     layout = engine.SplitLayout.build(
-      sample_params, program.stage_leaves, split.split_dims, parts, MODEL
+      sample_params, program.stage_leaves, split.split_dims, parts, MODEL, devices=stages
     )
   else:
-    layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
+    layout = engine.FlatLayout.build(sample_params, program.stage_leaves, devices=stages)
 
   @functools.cache
   def staged_for(treedef, leaves: tuple[tuple[tuple[int, ...], Any], ...]) -> engine.StagedModel:
@@ -106,28 +111,31 @@ def make_pipeline_plan(
     shapes = tuple(((x.shape[0] // microbatches, *x.shape[1:]), x.dtype) for x in leaves)
     return staged_for(treedef, shapes)
 
-  # Each device's block of the stored buffers has a leading stage axis of 1.
-  def row_of(stored):
-    return jax.tree.map(lambda x: x[0], stored)
-
+  # Each device's block of the stored buffers holds its v chunks' rows.
   def loss_and_grad(stored, inputs, targets, rng, model_state):
     del rng  # None: refused by the trainer (no supports_rng)
     loss, grads = engine.pipeline_loss_and_grad(
       microbatch_model(inputs),
       sched,
-      row_of(stored),
+      stored,
       inputs,
       targets,
       stage_axis=STAGE,
       bubble_value=bubble_value,
+      activations=activations,
     )
     # This replica's loss and gradients; `reduce` averages them over "data".
-    return loss, jax.tree.map(lambda g: g[None], grads), model_state
+    return loss, grads, model_state
 
   def forward(stored, inputs, rng, model_state):
     del rng, model_state  # none: refused by the trainer
     return engine.pipeline_forward(
-      microbatch_model(inputs), microbatches, row_of(stored), inputs, stage_axis=STAGE
+      microbatch_model(inputs),
+      microbatches,
+      stored,
+      inputs,
+      stage_axis=STAGE,
+      virtual_stages=v,
     )
 
   sizes = layout.stage_sizes
@@ -138,16 +146,18 @@ def make_pipeline_plan(
       f"{notes}\n"
     )
   else:
+    rows = f"{v} x " if v > 1 else ""
     buffers = (
-      f"per-device parameter buffer: {layout.size:,} elements "
+      f"per-device parameter buffer: {rows}{layout.size:,} elements "
       f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
     )
+  chunks = f", {v} virtual stages per device" if v > 1 else ""
   description = (
     f"{stage_plan}\n"
     f"{buffers}"
-    f"schedule: {sched.name}, {microbatches} microbatches, {sched.num_ticks} ticks, "
-    f"bubble {sched.bubble_fraction():.3f} (theory {sched.theoretical_bubble():.3f}), "
-    f"{sched.num_act_slots} activation slot(s) per device"
+    f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {sched.num_ticks} ticks, "
+    f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
+    f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
   )
   plan = Plan(
     param_spec=P(STAGE),
@@ -162,6 +172,27 @@ def make_pipeline_plan(
     description=description,
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan
+
+
+def _schedule_for(
+  schedule: str | schedule_lib.Schedule,
+  stages: int,
+  microbatches: int,
+  virtual_stages: int | None,
+) -> schedule_lib.Schedule:
+  """The named schedule built for (P, M, v), or a given `Schedule` checked against them."""
+  if not isinstance(schedule, schedule_lib.Schedule):
+    return schedule_lib.build_schedule(
+      schedule, stages, microbatches, virtual_stages=virtual_stages
+    )
+  for what, want, have in (
+    ("stages", stages, schedule.stages),
+    ("microbatches", microbatches, schedule.microbatches),
+    ("virtual_stages", virtual_stages or schedule.virtual_stages, schedule.virtual_stages),
+  ):
+    if want != have:
+      raise ValueError(f"The {schedule.name!r} schedule runs {what}={have}, not {want}.")
+  return schedule
 
 
 def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
@@ -265,7 +296,12 @@ class Hybrid(Strategy):
     model: tensor-parallel ways along "model" within each stage (default 1:
       no "model" axis).
     microbatches: microbatches per replica per step (default: `stages`).
-    schedule: "gpipe" or "1f1b".
+    schedule: "gpipe", "1f1b" (default), "zb_h1", "interleaved_1f1b", or a
+      `parstrat.pipeline.Schedule` (e.g. read by `from_csv`); see
+      `PipelineModelParallel`.
+    virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
+    activations: "recompute" (default), "save" or a `jax.checkpoint_policies`
+      name; see `PipelineModelParallel`.
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).
@@ -284,7 +320,9 @@ class Hybrid(Strategy):
   stages: int | None = None
   model: int = 1
   microbatches: int | None = None
-  schedule: str = "1f1b"
+  schedule: str | schedule_lib.Schedule = "1f1b"
+  virtual_stages: int | None = None
+  activations: str = "recompute"
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -309,15 +347,20 @@ class Hybrid(Strategy):
       return self.data, n // self.data
     return default_split(n)
 
+  def _microbatches(self, stages: int) -> int:
+    """M after the default: the given schedule's M, else one per stage."""
+    return self.microbatches or getattr(self.schedule, "microbatches", stages)
+
   def make_mesh(self) -> Mesh:
-    if self.schedule not in schedule_lib.ORDERS:
-      raise ValueError(
-        f"Unknown schedule {self.schedule!r}; choose one of {sorted(schedule_lib.ORDERS)}."
-      )
+    if not isinstance(self.schedule, schedule_lib.Schedule):
+      schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
+    residuals_lib.check_activations(self.activations)
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
       _check_positive("microbatches", self.microbatches)
+    if isinstance(self.schedule, schedule_lib.Schedule):
+      _schedule_for(self.schedule, stages, self._microbatches(stages), self.virtual_stages)
     if self.model == 1:
       return build_mesh({DATA: data, STAGE: stages}, self.devices)
     n = len(available_devices(self.devices))
@@ -335,10 +378,12 @@ class Hybrid(Strategy):
       sample_params,
       sample_inputs,
       stages=stages,
-      microbatches=self.microbatches or stages,
+      microbatches=self._microbatches(stages),
       schedule=self.schedule,
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,
       mesh=mesh,
+      virtual_stages=self.virtual_stages,
+      activations=self.activations,
     )

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from parstrat._src import registry
 from parstrat._src.hybrid import Hybrid
+from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 
@@ -21,14 +22,33 @@ class PipelineModelParallel(Strategy):
   parameter count, or at `cuts`, or at `parstrat.pipeline.stage_boundary`
   markers); each device holds only its stage's parameters and optimizer state.
   Each step splits the batch into `microbatches` that flow through the stages
-  under the `schedule` ("gpipe": all forwards then all backwards; "1f1b": one
-  forward one backward after a warm-up, so at most `stages` microbatches of
-  activations are alive per stage). This is `Hybrid` with one data replica.
+  under the `schedule`:
+
+  * "gpipe": all forwards then all backwards (M activations alive per stage);
+  * "1f1b": one forward one backward after a warm-up, so at most `stages`
+    microbatches of activations are alive per stage;
+  * "zb_h1": 1F1B with each backward split into an input-gradient pass and a
+    weight-gradient pass, the latter deferred into the bubbles (Qi et al. 2023;
+    a third of 1F1B's bubble, each pass recomputes the stage's forward);
+  * "interleaved_1f1b": the model cut into `stages * virtual_stages` pieces,
+    device s holding pieces s, s + P, ... (Megatron-LM; bubble 1/v of
+    1F1B's, more activations alive, v times the messages).
+
+  This is `Hybrid` with one data replica.
 
   Args:
     stages: the number of stages P (default 2).
     microbatches: microbatches M per step (default: P). M must divide the batch.
-    schedule: "gpipe" or "1f1b" (default).
+    schedule: "gpipe", "1f1b" (default), "zb_h1", "interleaved_1f1b", or a
+      `parstrat.pipeline.Schedule` for `stages` devices (e.g. one read by
+      `parstrat.pipeline.from_csv`; `microbatches` defaults to its M).
+    virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
+    activations: what each stage keeps from its forward for its backward:
+      "recompute" (default: only its input; the backward reruns the forward),
+      "save" (every residual of the forward: no rerun, more memory), or a
+      `jax.checkpoint_policies` name in between ("dots_saveable",
+      "dots_with_no_batch_dims_saveable": keep matmul outputs, rerun the rest;
+      "nothing_saveable").
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
     bubble_value: what idle slots send (tests fill bubbles with NaN).
@@ -42,7 +62,9 @@ class PipelineModelParallel(Strategy):
 
   stages: int = 2
   microbatches: int | None = None
-  schedule: str = "1f1b"
+  schedule: str | Schedule = "1f1b"
+  virtual_stages: int | None = None
+  activations: str = "recompute"
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -55,6 +77,8 @@ class PipelineModelParallel(Strategy):
       stages=self.stages,
       microbatches=self.microbatches,
       schedule=self.schedule,
+      virtual_stages=self.virtual_stages,
+      activations=self.activations,
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,

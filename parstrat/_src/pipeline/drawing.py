@@ -7,15 +7,27 @@ from parstrat._src.pipeline.schedule import Schedule
 
 FORWARD_COLOUR = "#4C72B0"
 BACKWARD_COLOUR = "#DD8452"
+INPUT_GRAD_COLOUR = "#C44E52"
+WEIGHT_GRAD_COLOUR = "#55A868"
 IDLE_COLOUR = "#EEEEEE"
+
+#: The colour and legend label of each kind of work.
+STYLE = {
+  Action.FORWARD: (FORWARD_COLOUR, "F forward"),
+  Action.BACKWARD: (BACKWARD_COLOUR, "B backward"),
+  Action.BACKWARD_INPUT: (INPUT_GRAD_COLOUR, "I input gradient"),
+  Action.BACKWARD_WEIGHT: (WEIGHT_GRAD_COLOUR, "W weight gradient"),
+}
 
 
 def draw_schedule(schedule: Schedule, path: str) -> None:
   """Writes the schedule as a PNG: stages as rows, ticks as columns.
 
-  Forward cells are blue, backward cells orange, bubbles light grey; each cell
-  is labelled with its microbatch, and the title gives the measured bubble
-  fraction next to the theory (P-1)/(M+P-1).
+  Forward cells are blue, full backward cells orange, input-gradient cells (I)
+  red and weight-gradient cells (W) green, bubbles light grey; each cell is
+  labelled with its microbatch (and, with virtual stages, its model stage, as
+  in "5:3"; later chunks are drawn lighter), and the title gives the measured
+  bubble fraction next to the schedule's theory.
 
   Args:
     schedule: the schedule to draw.
@@ -28,36 +40,40 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
   from matplotlib.patches import Patch
   from matplotlib.patches import Rectangle
 
-  T, P = schedule.num_ticks, schedule.stages
-  fig, ax = plt.subplots(figsize=(max(6.0, 0.38 * T + 1.5), 0.55 * P + 1.6), dpi=120)
+  T, P, v = schedule.num_ticks, schedule.stages, schedule.virtual_stages
+  width = 0.38 if v == 1 else 0.55
+  fig, ax = plt.subplots(figsize=(max(6.0, width * T + 1.5), 0.55 * P + 1.6), dpi=120)
+  kinds = set()
   for t in range(T):
     for s in range(P):
-      action, m = int(schedule.action[t, s]), int(schedule.microbatch[t, s])
-      colour = {Action.FORWARD: FORWARD_COLOUR, Action.BACKWARD: BACKWARD_COLOUR}.get(
-        action, IDLE_COLOUR
+      action, m = Action(int(schedule.action[t, s])), int(schedule.microbatch[t, s])
+      chunk = int(schedule.chunk[t, s])
+      colour, _ = STYLE.get(action, (IDLE_COLOUR, ""))
+      alpha = 1.0 - 0.45 * chunk / max(1, v - 1)
+      ax.add_patch(
+        Rectangle((t, s), 1, 1, facecolor=colour, alpha=alpha, edgecolor="white", linewidth=1)
       )
-      ax.add_patch(Rectangle((t, s), 1, 1, facecolor=colour, edgecolor="white", linewidth=1))
       if action != Action.IDLE:
-        ax.text(t + 0.5, s + 0.5, str(m), ha="center", va="center", fontsize=7, color="white")
+        kinds.add(action)
+        label = str(m) if v == 1 else f"{chunk * P + s}:{m}"
+        ax.text(t + 0.5, s + 0.5, label, ha="center", va="center", fontsize=6, color="white")
   ax.set_xlim(0, T)
   ax.set_ylim(P, 0)
   ax.set_yticks([s + 0.5 for s in range(P)], [f"stage {s}" for s in range(P)])
   ax.set_xticks(range(0, T + 1, max(1, T // 20)))
-  ax.set_xlabel("tick")
+  ax.set_xlabel("tick" if v == 1 else "tick (cells: model stage:microbatch)")
+  chunks = f", v={v}" if v > 1 else ""
   ax.set_title(
-    f"{schedule.name}: P={P}, M={schedule.microbatches}, bubble "
-    f"{schedule.bubble_fraction():.3f} (theory {schedule.theoretical_bubble():.3f})",
+    f"{schedule.name}: P={P}, M={schedule.microbatches}{chunks}, bubble "
+    f"{schedule.bubble_fraction():.3f} ({schedule.theory_text()})",
     fontsize=10,
   )
+  handles = [Patch(color=STYLE[a][0], label=STYLE[a][1]) for a in sorted(kinds)]
   ax.legend(
-    handles=[
-      Patch(color=FORWARD_COLOUR, label="forward"),
-      Patch(color=BACKWARD_COLOUR, label="backward"),
-      Patch(color=IDLE_COLOUR, label="bubble"),
-    ],
+    handles=[*handles, Patch(color=IDLE_COLOUR, label="bubble")],
     loc="upper center",
     bbox_to_anchor=(0.5, -0.3),
-    ncol=3,
+    ncol=len(handles) + 1,
     fontsize=8,
     frameon=False,
   )

@@ -32,6 +32,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.pipeline.schedule import num_total_iterations
@@ -48,6 +49,7 @@ class FlatLayout:
     offsets: per stage, the start offset of each of its leaves.
     size: the buffer length, the largest stage's parameter count.
     dtype: the common dtype of all leaves.
+    order: the model stage each stored row holds (see `stored_order`).
   """
 
   treedef: Any
@@ -56,9 +58,12 @@ class FlatLayout:
   offsets: tuple[tuple[int, ...], ...]
   size: int
   dtype: Any
+  order: tuple[int, ...]
 
   @classmethod
-  def build(cls, params: Any, stage_leaves: tuple[tuple[int, ...], ...]) -> FlatLayout:
+  def build(
+    cls, params: Any, stage_leaves: tuple[tuple[int, ...], ...], devices: int | None = None
+  ) -> FlatLayout:
     leaves, treedef = jax.tree.flatten(params)
     dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) != 1:
@@ -82,18 +87,19 @@ class FlatLayout:
       starts = np.cumsum([0] + [int(np.prod(shapes[i])) for i in group])
       offsets.append(tuple(int(o) for o in starts[:-1]))
       sizes.append(int(starts[-1]))
-    return cls(treedef, shapes, stage_leaves, tuple(offsets), max(sizes), dtypes.pop())
+    order = stored_order(devices or len(stage_leaves), len(stage_leaves))
+    return cls(treedef, shapes, stage_leaves, tuple(offsets), max(sizes), dtypes.pop(), order)
 
   @property
   def stage_sizes(self) -> list[int]:
     return [sum(int(np.prod(self.shapes[i])) for i in group) for group in self.stage_leaves]
 
   def to_stored(self, params: Any) -> jax.Array:
-    """Model layout -> `[P, size]` stage buffers."""
+    """Model layout -> `[G, size]` stage buffers, in `order`."""
     leaves = jax.tree.leaves(params)
     rows = []
-    for group in self.stage_leaves:
-      flat = [leaves[i].reshape(-1) for i in group]
+    for stage in self.order:
+      flat = [leaves[i].reshape(-1) for i in self.stage_leaves[stage]]
       row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
       rows.append(jnp.pad(row, (0, self.size - row.shape[0])))
     return jnp.stack(rows)
@@ -110,12 +116,25 @@ class FlatLayout:
     return row
 
   def to_params(self, stored: jax.Array) -> Any:
-    """`[P, size]` stage buffers -> model layout."""
+    """`[G, size]` stage buffers -> model layout."""
     leaves: list[Any] = [None] * len(self.shapes)
-    for s, group in enumerate(self.stage_leaves):
-      for i, leaf in zip(group, self.stage_params(s, stored[s]), strict=True):
+    for r, s in enumerate(self.order):
+      for i, leaf in zip(self.stage_leaves[s], self.stage_params(s, stored[r]), strict=True):
         leaves[i] = leaf
     return jax.tree.unflatten(self.treedef, leaves)
+
+
+def stored_order(devices: int, model_stages: int) -> tuple[int, ...]:
+  """The model stage held by each row of the stored `[G, ...]` buffers.
+
+  Rows are device-major, so sharding the rows over the P devices gives device
+  s its v = G / P chunks, model stages s, s + P, s + 2P, ... (interleaved
+  virtual stages); with v = 1 row s is stage s.
+  """
+  if model_stages % devices:
+    raise ValueError(f"{model_stages} model stages do not split over {devices} devices.")
+  v = model_stages // devices
+  return tuple(j * devices + s for s in range(devices) for j in range(v))
 
 
 def _to_block(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
@@ -153,6 +172,7 @@ class SplitLayout:
       lives in (in elements of one `[parts, k]` row for split leaves).
     split_size: the length of one split row (largest stage, at least 1).
     replicated_size: the length of a replicated row (largest stage, at least 1).
+    order: the model stage each stored row holds (see `stored_order`).
   """
 
   treedef: Any
@@ -165,6 +185,7 @@ class SplitLayout:
   split_size: int
   replicated_size: int
   dtype: Any
+  order: tuple[int, ...]
 
   @classmethod
   def build(
@@ -174,8 +195,9 @@ class SplitLayout:
     split_dims: tuple[int | None, ...],
     parts: int,
     axis: str,
+    devices: int | None = None,
   ) -> SplitLayout:
-    flat = FlatLayout.build(params, stage_leaves)  # checks dtypes and ownership
+    flat = FlatLayout.build(params, stage_leaves, devices)  # checks dtypes and ownership
     if len(split_dims) != len(flat.shapes):
       raise ValueError(f"split_dims has {len(split_dims)} entries for {len(flat.shapes)} leaves.")
     for i, dim in enumerate(split_dims):
@@ -209,6 +231,7 @@ class SplitLayout:
       max(1, *split_sizes),
       max(1, *replicated_sizes),
       flat.dtype,
+      flat.order,
     )
 
   @property
@@ -222,10 +245,10 @@ class SplitLayout:
     return self.split_size + self.replicated_size
 
   def to_stored(self, params: Any) -> tuple[jax.Array, jax.Array]:
-    """Model layout -> `(split [P, parts, split_size], replicated [P, replicated_size])`."""
+    """Model layout -> `(split [G, parts, split_size], replicated [G, replicated_size])`."""
     leaves = jax.tree.leaves(params)
     split_rows, replicated_rows = [], []
-    for group in self.stage_leaves:
+    for group in (self.stage_leaves[stage] for stage in self.order):
       blocks = [
         _to_block(leaves[i], self.split_dims[i], self.parts)
         for i in group
@@ -263,17 +286,20 @@ class SplitLayout:
     return out
 
   def constrain(self, row: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Pins a `[parts, split_size]` block (params or gradients) to be split over `axis`."""
+    """Pins `[..., parts, split_size]` blocks (params or gradients) to be split over `axis`."""
     block, flat = row
-    return lax.with_sharding_constraint(block, PartitionSpec(self.axis, None)), flat
+    spec = PartitionSpec(*([None] * (block.ndim - 2)), self.axis, None)
+    return lax.with_sharding_constraint(block, spec), flat
 
   def to_params(self, stored: tuple[jax.Array, jax.Array]) -> Any:
     """`(split, replicated)` stage buffers -> model layout."""
     split, replicated = stored
     leaves: list[Any] = [None] * len(self.shapes)
-    for s, group in enumerate(self.stage_leaves):
-      row = (split[s], replicated[s])
-      for i, leaf in zip(group, self.stage_params(s, row, constrain=False), strict=True):
+    for r, s in enumerate(self.order):
+      row = (split[r], replicated[r])
+      for i, leaf in zip(
+        self.stage_leaves[s], self.stage_params(s, row, constrain=False), strict=True
+      ):
         leaves[i] = leaf
     return jax.tree.unflatten(self.treedef, leaves)
 
@@ -309,19 +335,26 @@ class StagedModel:
     between = self.program.boundaries[1:-1] or self.program.boundaries[-1:]
     return jnp.result_type(*[b.dtype for b in between])
 
+  def stage_inputs(self, stage: int, row, act, x):
+    """The stage's parameter leaves (sliced from `row`) and its unpadded input."""
+    inp = x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
+    return self.layout.stage_params(stage, row), inp
+
   def output(self, stage: int, row, act, x):
     """Stage `stage`'s output, unpadded, in its own dtype."""
-    program = self.program
-    inp = x if stage == 0 else partition_lib.unpad(act, program.boundaries[stage])
-    return program.stage_fns[stage](self.layout.stage_params(stage, row), inp)
+    return self.program.stage_fns[stage](*self.stage_inputs(stage, row, act, x))
 
   def forward(self, stage: int, row, act, x, y):
-    out = self.output(stage, row, act, x)
+    return self.apply(stage, *self.stage_inputs(stage, row, act, x), y, act.dtype)
+
+  def apply(self, stage: int, leaves, inp, y, dtype):
+    """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss)."""
+    out = self.program.stage_fns[stage](leaves, inp)
     if stage == self.num_stages - 1:
       loss = self.loss_fn(out, y).astype(jnp.float32)
     else:
       loss = jnp.zeros((), jnp.float32)
-    return partition_lib.pad_to(out, self.width).astype(act.dtype), loss
+    return partition_lib.pad_to(out, self.width).astype(dtype), loss
 
 
 def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
@@ -345,66 +378,122 @@ def _microbatch(tree: Any, m: jax.Array) -> Any:
   return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, keepdims=False), tree)
 
 
-def _shift(value: jax.Array, axis: str, stages: int, direction: int) -> jax.Array:
-  """Sends `value` one stage forward (+1) or back (-1); the far end gets zeros."""
+def _shift(
+  value: jax.Array, axis: str, stages: int, direction: int, cyclic: bool = False
+) -> jax.Array:
+  """Sends `value` one device forward (+1) or back (-1).
+
+  With `cyclic` (virtual stages) the ends wrap around: device P-1 sends to
+  device 0 and back; otherwise the far end gets zeros.
+  """
   if stages == 1:
-    return jnp.zeros_like(value)
-  pairs = [(s, s + direction) for s in range(stages) if 0 <= s + direction < stages]
+    return value if cyclic else jnp.zeros_like(value)
+  pairs = [
+    (s, (s + direction) % stages) for s in range(stages) if cyclic or 0 <= s + direction < stages
+  ]
   return lax.ppermute(value, axis, perm=pairs)
+
+
+def _chunk(block, j: int):
+  """Chunk `j`'s row of a device's `[v, ...]` params (or gradients) block."""
+  return jax.tree.map(lambda b: b[j], block)
+
+
+def _add_chunk(grads, chunk: int, d_row):
+  """`grads[chunk] += d_row` on a `[v, ...]` block (a pytree for `SplitLayout`)."""
+  return jax.tree.map(lambda g, d: g.at[chunk].add(d), grads, d_row)
+
+
+def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarray]:
+  """The distinct (action, model stage) pairs a schedule runs, and `[T, P]` indices into them.
+
+  Entry 0 is (IDLE, -1). Only the pairs the table uses get a branch, so a
+  schedule without W passes compiles no W branch.
+  """
+  stage = schedule.model_stage
+  used = sorted(
+    {
+      (Action(int(a)), int(g))
+      for a, g in zip(schedule.action.flat, stage.flat, strict=True)
+      if g >= 0
+    }
+  )
+  keys = [(Action.IDLE, -1), *used]
+  index = {key: i for i, key in enumerate(keys)}
+  table = np.zeros(schedule.action.shape, np.int32)
+  for (t, s), a in np.ndenumerate(schedule.action):
+    if a != Action.IDLE:
+      table[t, s] = index[(Action(int(a)), int(stage[t, s]))]
+  return keys, table
 
 
 def pipeline_loss_and_grad(
   staged: StagedModel,
   schedule: Schedule,
-  row: jax.Array,
+  block,
   inputs: Any,
   targets: Any,
   *,
   stage_axis: str,
   bubble_value: float = 0.0,
-) -> tuple[jax.Array, jax.Array]:
+  activations: str = "recompute",
+) -> tuple[jax.Array, Any]:
   """One device's share of a pipelined forward and backward over its batch block.
 
-  Pseudo-code, for the device holding stage `s`::
+  Pseudo-code, for device `s` (its chunk j is model stage g = j P + s)::
 
     split the batch block into M microbatches
     for t in range(T):                        # T = schedule.num_ticks
-      match schedule.action[t, s]:
-        FORWARD m:  y = stage_s(params, stash[slot] or x[m]); send y to s+1
-        BACKWARD m: recompute stage_s at stash[slot], pull back the gradient
-                    arriving from s+1 (or the loss / M on the last stage),
-                    accumulate d params, send d input to s-1
-        IDLE:       send `bubble_value` (never read by a correct schedule)
-      store what arrived from s-1 / s+1 into the slots the schedule names
+      match schedule.action[t, s] (of chunk j, microbatch m):
+        FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
+        BACKWARD: recompute stage_g at stash[slot] (or, unless activations is
+                  "recompute", rebuild its vjp from the residuals its forward
+                  kept in saved[slot]), pull back the gradient arriving from
+                  stage g+1 (or the loss / M on the last stage), add d params[j]
+                  to the gradients in place, send d input back
+        BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
+        BACKWARD_WEIGHT: the same, but only d params[j]
+        IDLE:     send `bubble_value` (never read by a correct schedule)
+      store what arrived from device s-1 / s+1 into the slots the schedule names
     loss = psum over stages of the last stage's summed microbatch losses / M
 
+  Activations go to device s+1 and gradients to s-1; with virtual stages the
+  ends wrap (device P-1's chunk j feeds device 0's chunk j+1).
+
   Args:
-    staged: the model cut into stages.
+    staged: the model cut into the schedule's P * v model stages.
     schedule: the tick table.
-    row: this device's stage params (device-varying): a `[size]` flat buffer,
-      or for `SplitLayout` a pair `([parts, split_size], [replicated_size])`.
+    block: this device's params (device-varying), one row per chunk: `[v, size]`
+      for `FlatLayout`, or a pair `([v, parts, split_size], [v, replicated_size])`.
     inputs: this device's block of the model inputs, a pytree of `[B, ...]`
       leaves; stage 0 reads microbatch m's rows of every leaf.
     targets: this device's block of what the loss takes besides the outputs
       (labels, or the whole batch), a pytree of `[B, ...]` leaves; the last
       stage computes `loss_fn(outputs, targets of microbatch m)`.
-    stage_axis: the mesh axis the stages lie along.
+    stage_axis: the mesh axis the devices of the pipeline lie along.
     bubble_value: what idle ticks send; NaN in tests proves bubbles never leak.
+    activations: "recompute" (stash each stage input, rerun the forward in the
+      backward), "save" (keep the forward's residuals in slots, no rerun), or a
+      `jax.checkpoint_policies` name in between; see `residuals.ACTIVATIONS`.
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
-    gradient of it with respect to `row` (shaped like it), not yet averaged
+    gradient of it with respect to `block` (shaped like it), not yet averaged
     over data replicas.
   """
-  P, M = schedule.stages, schedule.microbatches
+  P, M, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+  G = schedule.model_stages
+  if staged.num_stages != G:
+    raise ValueError(f"The model is cut into {staged.num_stages} stages; the schedule runs {G}.")
   mb = jax.tree.leaves(inputs)[0].shape[0] // M
   xs, ys = microbatches(inputs, M), microbatches(targets, M)
   W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
+  keys, branch_index = branch_table(schedule)
   tables = jnp.asarray(
     np.stack(
       [
-        schedule.action,
+        branch_index,
         np.maximum(schedule.microbatch, 0),
         schedule.act_slot,
         schedule.grad_slot,
@@ -415,62 +504,114 @@ def pipeline_loss_and_grad(
   )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
-  zero_row = staged.layout.constrain(jax.tree.map(jnp.zeros_like, row))
   zero_loss = jnp.zeros((), jnp.float32)
+  loss_cotangent = jnp.asarray(1.0 / M, jnp.float32)
 
-  def idle(row, act, grad, x, y):
-    del row, act, grad, x, y
-    return fill, fill, zero_row, zero_loss
+  # activations != "recompute": forwards keep residuals in slots of `saved`.
+  residuals: dict[int, residuals_lib.Residuals] = {}
+  res_slot, num_res = np.full(schedule.action.shape, -1, np.int32), 1
+  if activations != "recompute":
+    residuals_lib.check_activations(activations)
+    res_slot, num_res = schedule.residual_slots()
+    avals = [
+      jax.tree.map(lambda b: jax.ShapeDtypeStruct(b.shape[1:], b.dtype), block),
+      jax.ShapeDtypeStruct((mb, W), dtype),
+      jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), xs),
+      jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ys),
+    ]
+    for g in sorted({g for _, g in keys if g >= 0}):
+      residuals[g] = residuals_lib.find_residuals(staged, g, *avals, dtype, activations)
+  slot = residuals_lib.slot_format(list(residuals.values()))
+  no_res = jnp.zeros(slot.shape, slot.dtype)
+  res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
 
-  def forward_branch(s):
-    def run(row, act, grad, x, y):
-      del grad
-      out, loss = staged.forward(s, row, act, x, y)
-      return out, fill, zero_row, loss
+  def saved_pullback(g, row, act, res, x):
+    """(d row, d padded input) of model stage g from its saved residuals."""
+    leaves, inp = staged.stage_inputs(g, row, act, x)
+    vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
+
+    def pull(cotangents):
+      d_leaves, d_inp = vjp_fn(cotangents)
+      _, to_row = jax.vjp(lambda r: staged.layout.stage_params(g, r), row)
+      d_act = fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
+      return to_row(d_leaves)[0], d_act
+
+    return pull
+
+  def backward(action: Action, g: int, row, act, grad, res, x, y):
+    """(d row, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
+    cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
+    if g in residuals:
+      return saved_pullback(g, row, act, res, x)(cotangents)
+    if action == Action.BACKWARD:
+      _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
+      return pullback(cotangents)
+    if action == Action.BACKWARD_INPUT:
+      _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
+      return None, pullback(cotangents)[0]
+    _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
+    return pullback(cotangents)[0], fill
+
+  # Each branch takes the gradient accumulator and returns it, adding its chunk's
+  # gradient in place in B and W passes only: no tick adds or builds a zero buffer
+  # the size of the params. (XLA copies what a branch passes through unchanged, so
+  # the residual slots stay outside: a branch reads and returns one slot.)
+  def branch(action: Action, g: int):
+    def run(block, grads, act, grad, res, x, y):
+      if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
+        return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
+      row = _chunk(block, g // P)
+      if action == Action.FORWARD:
+        if g not in residuals:
+          out, loss = staged.forward(g, row, act, x, y)
+          return out, fill, grads, loss, no_res
+        leaves, inp = staged.stage_inputs(g, row, act, x)
+        out, loss, res = residuals_lib.forward_saving(
+          staged, g, leaves, inp, y, dtype, activations, slot
+        )
+        return out, fill, grads, loss, res
+      d_row, d_act = backward(action, g, row, act, grad, res, x, y)
+      if action != Action.BACKWARD_INPUT:
+        grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
+      if action == Action.BACKWARD_WEIGHT:
+        d_act = fill
+      return fill, d_act, grads, zero_loss, no_res
 
     return run
 
-  def backward_branch(s):
-    def run(row, act, grad, x, y):
-      def f(row, act):
-        return staged.forward(s, row, act, x, y)
-
-      _, pullback = jax.vjp(f, row, act)
-      out_cotangent = zero_act if s == P - 1 else grad
-      d_row, d_act = pullback((out_cotangent, jnp.asarray(1.0 / M, jnp.float32)))
-      return fill, d_act, d_row, zero_loss
-
-    return run
-
-  branches = [idle] + [forward_branch(s) for s in range(P)] + [backward_branch(s) for s in range(P)]
+  branches = [branch(action, g) for action, g in keys]
+  cyclic = v > 1
+  tables = jnp.concatenate([tables, jnp.asarray(np.stack([res_slot, res_write]))])
 
   def tick(t, carry):
-    stash, inbox, grads, loss = carry
-    action, m, a_slot, g_slot, ra_slot, rg_slot = (tables[k, t, stage] for k in range(6))
-    index = jnp.where(
-      action == Action.FORWARD, 1 + stage, jnp.where(action == Action.BACKWARD, 1 + P + stage, 0)
+    stash, inbox, saved, grads, loss = carry
+    index, m, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
+      tables[k, t, stage] for k in range(8)
     )
-    send_act, send_grad, d_row, d_loss = lax.switch(
+    send_act, send_grad, grads, d_loss, res = lax.switch(
       index,
       branches,
-      row,
+      block,
+      grads,
       _read(stash, a_slot),
       _read(inbox, g_slot),
+      _read(saved, r_slot),
       _microbatch(xs, m),
       _microbatch(ys, m),
     )
-    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1))
-    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1))
-    grads = staged.layout.constrain(jax.tree.map(jnp.add, grads, d_row))
-    return stash, inbox, grads, loss + d_loss
+    saved = _store(saved, rw_slot, res)
+    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
+    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
+    return stash, inbox, saved, grads, loss + d_loss
 
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
     jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
-    zero_row,
+    jnp.zeros((num_res, *slot.shape), slot.dtype),
+    staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )
-  _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
+  _, _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
   loss = lax.psum(loss, stage_axis) / M
   return loss, grads
 
@@ -478,19 +619,23 @@ def pipeline_loss_and_grad(
 def pipeline_forward(
   staged: StagedModel,
   num_microbatches: int,
-  row: jax.Array,
+  block,
   inputs: Any,
   *,
   stage_axis: str,
+  virtual_stages: int = 1,
 ) -> jax.Array:
   """A forward-only pipelined pass; returns the `[B, out...]` outputs on every stage.
 
   `inputs` is this device's block of the model inputs (any pytree of `[B, ...]`).
 
-  Stage s runs microbatch `t - s` at tick t (M + P - 1 ticks); the last stage
-  collects the outputs, which a `psum` over the stage axis then replicates.
+  In round j (one per chunk), device s runs model stage j P + s on
+  microbatch `t - s` at tick t (M + P - 1 ticks); the last device collects the
+  round's outputs, which feed device 0 in the next round. A `psum` over the
+  stage axis then replicates the final outputs.
   """
-  P, M = staged.num_stages, num_microbatches
+  G, M, v = staged.num_stages, num_microbatches, virtual_stages
+  P = G // v
   mb = jax.tree.leaves(inputs)[0].shape[0] // M
   xs = microbatches(inputs, M)
   W, dtype = staged.width, staged.act_dtype
@@ -500,25 +645,40 @@ def pipeline_forward(
   no_act = jnp.zeros((mb, W), dtype)
   no_out = jnp.zeros((mb, out_width), out_aval.dtype)
 
-  def branch(s):  # (activation sent on, or the model's output on the last stage)
-    def run(row, act, x):
-      out = partition_lib.pad_to(staged.output(s, row, act, x), out_width if s == P - 1 else W)
-      return (no_act, out.astype(out_aval.dtype)) if s == P - 1 else (out.astype(dtype), no_out)
+  def branch(g):  # (activation sent on, or the model's output on the last model stage)
+    def run(block, act, x):
+      out = staged.output(g, _chunk(block, g // P), act, x)
+      if g == G - 1:
+        return no_act, partition_lib.pad_to(out, out_width).astype(out_aval.dtype)
+      return partition_lib.pad_to(out, W).astype(dtype), no_out
 
     return run
 
-  def tick(t, carry):
-    act, outputs = carry
-    m = t - stage
-    active = (m >= 0) & (m < M)
-    x = _microbatch(xs, jnp.clip(m, 0, M - 1))
-    send, out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
-    send = jnp.where(active, send, jnp.zeros_like(send))
-    outputs = _store(outputs, jnp.where(active & (stage == P - 1), m, -1), out)
-    return _shift(send, stage_axis, P, +1), outputs
+  feed = None
+  for j in range(v):
+    branches = [branch(j * P + s) for s in range(P)]
 
-  carry = (no_act, jnp.zeros((M, mb, out_width), out_aval.dtype))
-  _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
+    def tick(t, carry, branches=branches, feed=feed, final=j == v - 1):
+      act, sent, outputs = carry
+      m = t - stage
+      active = (m >= 0) & (m < M)
+      index = jnp.clip(m, 0, M - 1)
+      x = _microbatch(xs, index)
+      if feed is not None:  # device 0 continues from the previous round's last activations
+        act = jnp.where(stage == 0, lax.dynamic_index_in_dim(feed, index, keepdims=False), act)
+      send, out = lax.switch(stage, branches, block, act, x)
+      send = jnp.where(active, send, jnp.zeros_like(send))
+      last = jnp.where(active & (stage == P - 1), m, -1)
+      if final:
+        outputs = _store(outputs, last, out)
+      else:
+        sent = _store(sent, last, send)
+      return _shift(send, stage_axis, P, +1), sent, outputs
+
+    sent = jnp.zeros((M if j < v - 1 else 1, mb, W), dtype)
+    carry = (no_act, sent, jnp.zeros((M if j == v - 1 else 1, mb, out_width), out_aval.dtype))
+    _, sent, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
+    feed = _shift(sent, stage_axis, P, +1, cyclic=True)
   outputs = lax.psum(outputs, stage_axis).reshape(M * mb, out_width)
   return partition_lib.unpad(
     outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)

@@ -12,17 +12,34 @@ import dataclasses
 import enum
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 
 class Action(enum.IntEnum):
+  """What a device does in one tick.
+
+  `BACKWARD` computes both gradients of a stage. Zero-bubble schedules split it
+  into `BACKWARD_INPUT` (the gradient w.r.t. the stage input, on the critical
+  path) and `BACKWARD_WEIGHT` (the gradient w.r.t. the stage's params, which can
+  wait). The letters are torch.distributed.pipelining's: F, B, I, W.
+  """
+
   IDLE = 0
   FORWARD = 1
   BACKWARD = 2
+  BACKWARD_INPUT = 3
+  BACKWARD_WEIGHT = 4
+
+  @property
+  def letter(self) -> str:
+    return ".FBIW"[self]
 
 
-Op = tuple[Action, int]  # (FORWARD or BACKWARD, microbatch)
+# (action, microbatch, chunk): `chunk` is which of the device's virtual stages runs
+# (0 unless virtual_stages > 1); device s's chunk j is model stage j * P + s.
+Op = tuple[Action, int, int]
 
 
 def num_total_iterations(stages: int, microbatches: int) -> int:
@@ -35,49 +52,146 @@ def theoretical_bubble(stages: int, microbatches: int) -> float:
   return (stages - 1) / (microbatches + stages - 1)
 
 
-def gpipe_order(stages: int, microbatches: int, stage: int) -> list[Op]:
+def gpipe_order(stages: int, microbatches: int, stage: int, virtual_stages: int = 1) -> list[Op]:
   """GPipe: every forward, then every backward."""
-  del stages, stage
-  return [(Action.FORWARD, m) for m in range(microbatches)] + [
-    (Action.BACKWARD, m) for m in range(microbatches)
+  del stages, stage, virtual_stages
+  return [(Action.FORWARD, m, 0) for m in range(microbatches)] + [
+    (Action.BACKWARD, m, 0) for m in range(microbatches)
   ]
 
 
-def one_f_one_b_order(stages: int, microbatches: int, stage: int) -> list[Op]:
+def one_f_one_b_order(
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 1
+) -> list[Op]:
   """1F1B (PipeDream-flush): P-1-s warm-up forwards, then alternate, then drain."""
+  del virtual_stages
   warmup = min(stages - 1 - stage, microbatches)
-  ops: list[Op] = [(Action.FORWARD, m) for m in range(warmup)]
+  ops: list[Op] = [(Action.FORWARD, m, 0) for m in range(warmup)]
   for i in range(microbatches - warmup):
-    ops += [(Action.FORWARD, warmup + i), (Action.BACKWARD, i)]
-  ops += [(Action.BACKWARD, m) for m in range(microbatches - warmup, microbatches)]
+    ops += [(Action.FORWARD, warmup + i, 0), (Action.BACKWARD, i, 0)]
+  ops += [(Action.BACKWARD, m, 0) for m in range(microbatches - warmup, microbatches)]
   return ops
 
 
-ORDERS: dict[str, Callable[[int, int, int], list[Op]]] = {
+def zb_h1_order(stages: int, microbatches: int, stage: int, virtual_stages: int = 1) -> list[Op]:
+  """ZB-H1 (Qi et al. 2023): 1F1B with the backward split, weight passes deferred.
+
+  The forwards and input-gradient passes (I) run in 1F1B order; stage s keeps
+  its last s weight passes (W) pending and runs each one after a later I, the
+  remaining ones at the end, where they fill the drain bubble. With F, I and W
+  one tick each and M >= P this takes 3M + P - 1 ticks: a bubble of
+  (P - 1) / (3M + P - 1), a third of 1F1B's, with at most P microbatches
+  between their forward and their W on any stage (1F1B's activation count).
+  """
+  del virtual_stages
+  warmup = min(stages - 1 - stage, microbatches)
+  ops: list[Op] = [(Action.FORWARD, m, 0) for m in range(warmup)]
+  pending: list[int] = []
+
+  def input_grad(m: int) -> None:
+    ops.append((Action.BACKWARD_INPUT, m, 0))
+    pending.append(m)
+    if len(pending) > stage:
+      ops.append((Action.BACKWARD_WEIGHT, pending.pop(0), 0))
+
+  for i in range(microbatches - warmup):
+    ops.append((Action.FORWARD, warmup + i, 0))
+    input_grad(i)
+  for m in range(microbatches - warmup, microbatches):
+    input_grad(m)
+  return ops + [(Action.BACKWARD_WEIGHT, m, 0) for m in pending]
+
+
+def interleaved_1f1b_order(
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 2
+) -> list[Op]:
+  """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v chunks per device.
+
+  The model is cut into P * v stages; device s holds stages s, s + P, ...
+  (its chunks 0..v-1). Microbatches go through in groups of P: a device runs
+  the group's forwards on chunk 0, then chunk 1, ..., and the backwards with
+  the chunks reversed. It warms up with 2 (P - 1 - s) + (v - 1) P forwards and
+  then alternates one forward, one backward. With M a multiple of P this takes
+  2 v M + 2 (P - 1) ticks of one chunk each: a bubble of (P - 1) / (v M + P - 1),
+  1/v of 1F1B's, for more activations alive at once.
+
+  Raises:
+    ValueError: if M is not a multiple of P.
+  """
+  P, v = stages, virtual_stages
+  if microbatches % P:
+    raise ValueError(
+      f"interleaved_1f1b needs microbatches to be a multiple of stages, got "
+      f"microbatches={microbatches} with stages={P}."
+    )
+  n = v * microbatches
+
+  def forward(k: int) -> Op:
+    return (Action.FORWARD, (k // (P * v)) * P + k % P, (k // P) % v)
+
+  def backward(k: int) -> Op:
+    return (Action.BACKWARD, (k // (P * v)) * P + k % P, v - 1 - (k // P) % v)
+
+  warmup = min(n, 2 * (P - 1 - stage) + (v - 1) * P)
+  ops = [forward(k) for k in range(warmup)]
+  for i in range(n - warmup):
+    ops += [forward(warmup + i), backward(i)]
+  return ops + [backward(k) for k in range(n - warmup, n)]
+
+
+ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
   "gpipe": gpipe_order,
   "1f1b": one_f_one_b_order,
+  "zb_h1": zb_h1_order,
+  "interleaved_1f1b": interleaved_1f1b_order,
 }
 
+# The idle share each schedule's paper gives, as (formula, value(P, M, v)); one
+# tick is one F, B, I or W of one chunk.
+THEORY: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
+  "gpipe": ("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
+  "1f1b": ("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
+  "zb_h1": ("(P-1)/(3M+P-1)", lambda P, M, v: (P - 1) / (3 * M + P - 1)),
+  "interleaved_1f1b": ("(P-1)/(vM+P-1)", lambda P, M, v: (P - 1) / (v * M + P - 1)),
+}
 
-@dataclasses.dataclass(frozen=True)
+#: What each pass costs on the engine, in forwards of one stage (a backward
+#: costs about two forwards, and each backward pass first reruns the forward).
+RECOMPUTE_COST = {
+  Action.FORWARD: 1.0,
+  Action.BACKWARD: 3.0,
+  Action.BACKWARD_INPUT: 2.0,
+  Action.BACKWARD_WEIGHT: 2.0,
+}
+
+#: The virtual stages each schedule uses when none are given.
+DEFAULT_VIRTUAL_STAGES = {"interleaved_1f1b": 2}
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Schedule:
   """A pipeline schedule and the buffer slots it needs.
 
+  Model stage g (of G = P * v) runs on device g % P as its chunk g // P.
+  Schedules compare (and hash) by identity, so a strategy can hold one.
+
   Attributes:
-    name: "gpipe", "1f1b" or "forward".
-    stages: P.
+    name: "gpipe", "1f1b", "zb_h1", "interleaved_1f1b", or an imported name.
+    stages: P, the devices along the pipeline.
     microbatches: M.
     action: `[T, P]` int array of `Action` values.
     microbatch: `[T, P]` microbatch of each action (-1 when idle).
     act_slot: `[T, P]` stash slot holding the input activation the action reads
-      (-1 for stage 0, which reads its microbatch from the batch).
-    grad_slot: `[T, P]` slot holding the incoming gradient a backward reads
-      (-1 for the last stage, whose gradient starts at the loss).
+      (-1 for model stage 0, which reads its microbatch from the batch).
+    grad_slot: `[T, P]` slot holding the incoming gradient a backward (B, I or
+      W) reads (-1 for the last model stage, whose gradient starts at the loss).
     recv_act_slot: `[T, P]` slot where the activation arriving after tick t is
       stored (-1: nothing arrives).
     recv_grad_slot: `[T, P]` likewise for arriving gradients.
     num_act_slots: stash slots per device (activations alive at once).
     num_grad_slots: gradient slots per device.
+    virtual_stages: v, the chunks each device holds (1 but for interleaving).
+    chunk: `[T, P]` the chunk each action runs (0 when idle).
   """
 
   name: str
@@ -91,55 +205,157 @@ class Schedule:
   recv_grad_slot: np.ndarray
   num_act_slots: int
   num_grad_slots: int
+  virtual_stages: int
+  chunk: np.ndarray
 
   @property
   def num_ticks(self) -> int:
     return self.action.shape[0]
 
+  @property
+  def model_stages(self) -> int:
+    """G = P * v, the pieces the model is cut into."""
+    return self.stages * self.virtual_stages
+
+  @property
+  def model_stage(self) -> np.ndarray:
+    """`[T, P]` the model stage each action runs (-1 when idle)."""
+    g = self.chunk * self.stages + np.arange(self.stages)[None, :]
+    return np.where(self.action == Action.IDLE, -1, g)
+
   def bubble_fraction(self) -> float:
-    """The measured fraction of (tick, stage) slots left idle."""
+    """The measured fraction of (tick, device) slots left idle."""
     return float(np.mean(self.action == Action.IDLE))
 
-  def theoretical_bubble(self) -> float:
-    return theoretical_bubble(self.stages, self.microbatches)
+  def theoretical_bubble(self) -> float | None:
+    """The idle share the schedule's paper gives (None for an imported schedule)."""
+    if self.name not in THEORY:
+      return None
+    return THEORY[self.name][1](self.stages, self.microbatches, self.virtual_stages)
+
+  def theory_text(self) -> str:
+    """E.g. "theory (P-1)/(M+P-1) = 0.273", or "no theory" for an imported schedule."""
+    if self.name not in THEORY:
+      return "no theory for an imported schedule"
+    return f"theory {THEORY[self.name][0]} = {self.theoretical_bubble():.3f}"
 
   def max_live_activations(self) -> list[int]:
-    """Per stage, the most microbatches whose forward ran and backward has not."""
+    """Per device, the most (chunk, microbatch) pairs whose forward ran and whose
+    last backward pass (B, or W after I) has not."""
     live = []
     for s in range(self.stages):
+      last: dict[tuple[int, int], int] = {}
+      for t in range(self.num_ticks):
+        if self.action[t, s] in _BACKWARDS:
+          last[(int(self.chunk[t, s]), int(self.microbatch[t, s]))] = t
       count = peak = 0
       for t in range(self.num_ticks):
+        key = (int(self.chunk[t, s]), int(self.microbatch[t, s]))
         if self.action[t, s] == Action.FORWARD:
           count += 1
-        elif self.action[t, s] == Action.BACKWARD:
+        elif self.action[t, s] in _BACKWARDS and last[key] == t:
           count -= 1
         peak = max(peak, count)
       live.append(peak)
     return live
 
-  def table(self) -> str:
-    """The schedule as text: one row per stage, one column per tick."""
-    width = max(2, len(str(self.microbatches - 1)) + 1)
-    rows = []
+  def lockstep_time(self, cost: dict[Action, float] | None = None) -> float:
+    """The step's length when every tick lasts as long as its slowest pass.
+
+    The engine runs ticks in lock-step (each tick ends with the messages all
+    devices exchange), so a tick where one device runs a backward and the
+    others forwards costs a backward. With `cost` per pass (default
+    `RECOMPUTE_COST`, in forwards of one stage: the engine reruns the forward
+    in every backward pass), this is the sum over ticks of the largest cost.
+    """
+    cost = RECOMPUTE_COST if cost is None else cost
+    table = np.vectorize(lambda a: 0.0 if a == Action.IDLE else cost[Action(a)])(self.action)
+    return float(table.max(axis=1).sum()) if table.size else 0.0
+
+  def lockstep_bubble(self, cost: dict[Action, float] | None = None) -> float:
+    """The idle share of `lockstep_time`: 1 - (work per device) / (lock-step time)."""
+    cost = RECOMPUTE_COST if cost is None else cost
+    work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE) / self.stages
+    return 1.0 - work / self.lockstep_time(cost)
+
+  def residual_slots(self) -> tuple[np.ndarray, int]:
+    """Slots for what a forward keeps for its backward passes (activations="save").
+
+    Returns:
+      `([T, P] slot each action writes (F) or reads (B, I, W), -1 when idle;
+      slots per device)`: (stage, microbatch) holds its slot from its forward to
+      its last backward pass.
+    """
+    slot = np.full(self.action.shape, -1, np.int32)
+    most = 1
     for s in range(self.stages):
-      cells = []
-      for t in range(self.num_ticks):
-        a, m = self.action[t, s], self.microbatch[t, s]
-        cells.append(("." if a == Action.IDLE else f"{'FB'[a - 1]}{m}").rjust(width))
-      rows.append(f"stage {s}: " + " ".join(cells))
-    return "\n".join(rows)
+      ticks: dict[tuple[int, int], list[int]] = {}
+      for t in np.flatnonzero(self.action[:, s] != Action.IDLE):
+        ticks.setdefault((int(self.chunk[t, s]), int(self.microbatch[t, s])), []).append(int(t))
+      slots, n = _allocate({key: (min(ts), max(ts)) for key, ts in ticks.items()})
+      most = max(most, n)
+      for key, ts in ticks.items():
+        slot[ts, s] = slots[key]
+    return slot, most
+
+  def cell(self, t: int, s: int) -> str:
+    """One action as text: "F3" (v = 1), or torch's "5F3" (model stage first) when v > 1."""
+    a = Action(int(self.action[t, s]))
+    if a == Action.IDLE:
+      return "."
+    m = int(self.microbatch[t, s])
+    if self.virtual_stages == 1:
+      return f"{a.letter}{m}"
+    return f"{int(self.chunk[t, s]) * self.stages + s}{a.letter}{m}"
+
+  def table(self) -> str:
+    """The schedule as text: one row per device, one column per tick."""
+    cells = [[self.cell(t, s) for t in range(self.num_ticks)] for s in range(self.stages)]
+    width = max(2, *(len(c) for row in cells for c in row))
+    return "\n".join(
+      f"stage {s}: " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(cells)
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
+      f"virtual_stages={self.virtual_stages}, ticks={self.num_ticks})"
+    )
 
   def __str__(self) -> str:
+    chunks = f" x {self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
     return (
-      f"{self.name} schedule, {self.stages} stages x {self.microbatches} microbatches, "
+      f"{self.name} schedule, {self.stages} stages{chunks} x {self.microbatches} microbatches, "
       f"{self.num_ticks} ticks, bubble {self.bubble_fraction():.3f} "
-      f"(theory (P-1)/(M+P-1) = {self.theoretical_bubble():.3f})\n{self.table()}"
+      f"({self.theory_text()})\n{self.table()}"
     )
 
 
-def _simulate(stages: int, orders: Sequence[Sequence[Op]]) -> list[list[Op | None]]:
-  """Runs each stage's op list as early as its dependencies allow."""
-  done: dict[tuple[Action, int, int], int] = {}
+_BACKWARDS = (Action.BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT)
+# The dependency class of an action: B and I both produce the input gradient.
+_KIND = {
+  Action.FORWARD: "F",
+  Action.BACKWARD: "B",
+  Action.BACKWARD_INPUT: "B",
+  Action.BACKWARD_WEIGHT: "W",
+}
+
+
+def _deps(kind: str, g: int, m: int, model_stages: int) -> list[tuple[str, int, int]]:
+  """What must have run (at an earlier tick) before `kind` of model stage g, microbatch m."""
+  if kind == "F":
+    return [("F", g - 1, m)] if g > 0 else []
+  if kind == "B":
+    return [("F", g, m)] + ([("B", g + 1, m)] if g < model_stages - 1 else [])
+  return [("B", g, m)]
+
+
+def _simulate(
+  stages: int, virtual_stages: int, orders: Sequence[Sequence[Op]]
+) -> list[list[Op | None]]:
+  """Runs each device's op list as early as its dependencies allow."""
+  G = stages * virtual_stages
+  done: dict[tuple[str, int, int], int] = {}
   pos = [0] * stages
   ticks: list[list[Op | None]] = []
   total = sum(len(o) for o in orders)
@@ -149,55 +365,80 @@ def _simulate(stages: int, orders: Sequence[Sequence[Op]]) -> list[list[Op | Non
     for s in range(stages):
       op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
       if op is not None:
-        kind, m = op
-        if kind == Action.FORWARD:
-          deps = [] if s == 0 else [(Action.FORWARD, s - 1, m)]
-        else:
-          deps = [(Action.FORWARD, s, m)]
-          if s < stages - 1:
-            deps.append((Action.BACKWARD, s + 1, m))
+        kind, m, chunk = op
+        deps = _deps(_KIND[kind], chunk * stages + s, m, G)
         if all(done.get(d, t) < t for d in deps):
           row.append(op)
           continue
       row.append(None)
     if all(op is None for op in row):
-      raise ValueError(f"The schedule deadlocks at tick {t}: no stage can proceed.")
+      waiting = {s: orders[s][pos[s]] for s in range(stages) if pos[s] < len(orders[s])}
+      raise ValueError(f"The schedule deadlocks at tick {t}: no stage can proceed ({waiting}).")
     for s, op in enumerate(row):
       if op is not None:
-        done[(op[0], s, op[1])] = t
+        done[(_KIND[op[0]], op[2] * stages + s, op[1])] = t
         pos[s] += 1
     ticks.append(row)
   return ticks
 
 
-def _allocate(intervals: dict[int, tuple[int, int]]) -> tuple[dict[int, int], int]:
-  """Greedy interval colouring: microbatch -> slot, with inclusive tick intervals."""
-  slot_of: dict[int, int] = {}
+def _allocate(intervals: dict[Any, tuple[int, int]]) -> tuple[dict[Any, int], int]:
+  """Greedy interval colouring: key -> slot, with inclusive tick intervals."""
+  slot_of: dict[Any, int] = {}
   free_at: list[int] = []  # per slot, the first tick it is free again
-  for m, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
+  for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
     for slot, free in enumerate(free_at):
       if free <= start:
-        slot_of[m], free_at[slot] = slot, end + 1
+        slot_of[key], free_at[slot] = slot, end + 1
         break
     else:
-      slot_of[m] = len(free_at)
+      slot_of[key] = len(free_at)
       free_at.append(end + 1)
   return slot_of, len(free_at)
 
 
-def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
+def _check_positive(what: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{what} must be a positive integer, got {value!r}.")
+
+
+def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
+  """Checks a schedule name and its virtual stages; returns v after the default.
+
+  Raises:
+    ValueError: for an unknown name, a non-positive v, or v > 1 with a
+      schedule that runs one chunk per device.
+  """
+  if name not in ORDERS:
+    raise ValueError(f"Unknown schedule {name!r}; choose one of {sorted(ORDERS)}.")
+  v = DEFAULT_VIRTUAL_STAGES.get(name, 1) if virtual_stages is None else virtual_stages
+  _check_positive("virtual_stages", v)
+  if v > 1 and name != "interleaved_1f1b":
+    raise ValueError(
+      f"virtual_stages={v} needs schedule 'interleaved_1f1b'; {name!r} runs one chunk per stage."
+    )
+  return v
+
+
+def build_schedule(
+  name: str, stages: int, microbatches: int, *, virtual_stages: int | None = None
+) -> Schedule:
   """Builds the named schedule's table and its buffer slots.
 
   Args:
-    name: "gpipe" or "1f1b".
-    stages: P >= 1.
-    microbatches: M >= 1.
+    name: "gpipe", "1f1b", "zb_h1" (zero bubble, backward split into I and W)
+      or "interleaved_1f1b" (virtual stages).
+    stages: P >= 1, the devices along the pipeline.
+    microbatches: M >= 1 (a multiple of P for "interleaved_1f1b").
+    virtual_stages: v, the model chunks per device: 2 by default for
+      "interleaved_1f1b", and 1 (the only choice) for the others.
 
   Returns:
-    The `Schedule`.
+    The `Schedule`, checked by `check_schedule`.
 
   Raises:
-    ValueError: for an unknown name or non-positive sizes.
+    ValueError: for an unknown name, non-positive sizes, or sizes the schedule
+      cannot run.
 
   Example:
     >>> from parstrat import pipeline
@@ -205,56 +446,97 @@ def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     >>> print(s.table())
     stage 0: F0 F1  . B0 F2 B1  . B2
     stage 1:  . F0 B0 F1 B1 F2 B2  .
+    >>> print(pipeline.build_schedule("zb_h1", stages=2, microbatches=2).table())
+    stage 0: F0 F1  . I0 W0 I1 W1
+    stage 1:  . F0 I0 F1 I1 W0 W1
   """
-  if name not in ORDERS:
-    raise ValueError(f"Unknown schedule {name!r}; choose one of {sorted(ORDERS)}.")
-  for what, value in (("stages", stages), ("microbatches", microbatches)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-      raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-  orders = [ORDERS[name](stages, microbatches, s) for s in range(stages)]
-  ticks = _simulate(stages, orders)
-  T = len(ticks)
-  action = np.zeros((T, stages), np.int32)
-  microbatch = np.full((T, stages), -1, np.int32)
-  when: dict[tuple[Action, int, int], int] = {}
-  for t, row in enumerate(ticks):
-    for s, op in enumerate(row):
-      if op is not None:
-        action[t, s], microbatch[t, s] = op[0], op[1]
-        when[(op[0], s, op[1])] = t
+  v = resolve_virtual_stages(name, virtual_stages)
+  _check_positive("stages", stages)
+  _check_positive("microbatches", microbatches)
+  orders = [ORDERS[name](stages, microbatches, s, v) for s in range(stages)]
+  return schedule_from_ticks(name, stages, microbatches, v, _simulate(stages, v, orders))
 
-  act_slot = np.full((T, stages), -1, np.int32)
-  grad_slot = np.full((T, stages), -1, np.int32)
-  recv_act_slot = np.full((T, stages), -1, np.int32)
-  recv_grad_slot = np.full((T, stages), -1, np.int32)
+
+def schedule_from_ticks(
+  name: str,
+  stages: int,
+  microbatches: int,
+  virtual_stages: int,
+  ticks: Sequence[Sequence[Op | None]],
+) -> Schedule:
+  """The `Schedule` of an explicit tick table, with its buffer slots allocated.
+
+  Args:
+    name: the schedule's name.
+    stages, microbatches, virtual_stages: P, M and v.
+    ticks: per tick, per device, an `Op` or None (idle).
+
+  Returns:
+    The checked `Schedule`.
+
+  Raises:
+    ValueError: if the table misses an action or breaks a dependency (the
+      message names the first one).
+  """
+  P, M, v = stages, microbatches, virtual_stages
+  G = P * v
+  T = len(ticks)
+  action = np.zeros((T, P), np.int32)
+  microbatch = np.full((T, P), -1, np.int32)
+  chunk = np.zeros((T, P), np.int32)
+  when: dict[tuple[str, int, int], int] = {}
+  uses: dict[tuple[int, int], list[int]] = {}  # (g, m) -> the ticks reading its input
+  for t, row in enumerate(ticks):
+    if len(row) != P:
+      raise ValueError(f"Tick {t} has {len(row)} entries for {P} stages.")
+    for s, op in enumerate(row):
+      if op is None:
+        continue
+      kind, m, j = op
+      action[t, s], microbatch[t, s], chunk[t, s] = kind, m, j
+      g = j * P + s
+      when.setdefault((_KIND[Action(kind)], g, m), t)
+      uses.setdefault((g, m), []).append(t)
+  partial = Schedule(
+    name,
+    P,
+    M,
+    action,
+    microbatch,
+    *(np.full((T, P), -1, np.int32) for _ in range(4)),
+    1,
+    1,
+    v,
+    chunk,
+  )
+  try:
+    _check_actions(partial)
+  except AssertionError as e:
+    raise ValueError(str(e)) from None
+
+  act_slot, grad_slot, recv_act_slot, recv_grad_slot = (
+    np.full((T, P), -1, np.int32) for _ in range(4)
+  )
   num_act = num_grad = 1
-  M = microbatches
-  for s in range(stages):
-    if s > 0:  # activations arrive from stage s-1 and live until our backward.
-      life = {
-        m: (when[(Action.FORWARD, s - 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)
-      }
-      slots, n = _allocate(life)
-      num_act = max(num_act, n)
-      for m in range(M):
-        recv_act_slot[when[(Action.FORWARD, s - 1, m)], s] = slots[m]
-        act_slot[when[(Action.FORWARD, s, m)], s] = slots[m]
-        act_slot[when[(Action.BACKWARD, s, m)], s] = slots[m]
-    if s < stages - 1:  # gradients arrive from stage s+1.
-      life = {
-        m: (when[(Action.BACKWARD, s + 1, m)] + 1, when[(Action.BACKWARD, s, m)]) for m in range(M)
-      }
-      slots, n = _allocate(life)
-      num_grad = max(num_grad, n)
-      for m in range(M):
-        recv_grad_slot[when[(Action.BACKWARD, s + 1, m)], s] = slots[m]
-        grad_slot[when[(Action.BACKWARD, s, m)], s] = slots[m]
-  return Schedule(
-    name=name,
-    stages=stages,
-    microbatches=microbatches,
-    action=action,
-    microbatch=microbatch,
+  for s in range(P):
+    mine = [(g, m) for g in range(s, G, P) for m in range(M)]
+    # Activations arrive from model stage g-1 and live until the last backward pass.
+    life = {(g, m): (when[("F", g - 1, m)] + 1, max(uses[(g, m)])) for g, m in mine if g > 0}
+    slots, n = _allocate(life)
+    num_act = max(num_act, n)
+    for (g, m), slot in slots.items():
+      recv_act_slot[when[("F", g - 1, m)], s] = slot
+      act_slot[uses[(g, m)], s] = slot
+    # Gradients arrive from model stage g+1 and live until the last backward pass.
+    life = {(g, m): (when[("B", g + 1, m)] + 1, max(uses[(g, m)])) for g, m in mine if g < G - 1}
+    slots, n = _allocate(life)
+    num_grad = max(num_grad, n)
+    for (g, m), slot in slots.items():
+      recv_grad_slot[when[("B", g + 1, m)], s] = slot
+      backward_ticks = [t for t in uses[(g, m)] if action[t, s] != Action.FORWARD]
+      grad_slot[backward_ticks, s] = slot
+  schedule = dataclasses.replace(
+    partial,
     act_slot=act_slot,
     grad_slot=grad_slot,
     recv_act_slot=recv_act_slot,
@@ -262,33 +544,98 @@ def build_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     num_act_slots=num_act,
     num_grad_slots=num_grad,
   )
+  check_schedule(schedule)
+  return schedule
 
 
-def check_schedule(schedule: Schedule) -> None:
-  """Asserts the table obeys the pipeline's dependencies and runs every op once.
-
-  Raises:
-    AssertionError: naming the first violated dependency.
-  """
-  P, M = schedule.stages, schedule.microbatches
+def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
+  """The dependency half of `check_schedule`; returns (action, g, m) -> tick."""
+  P, M, G = schedule.stages, schedule.microbatches, schedule.model_stages
   when: dict[tuple[int, int, int], int] = {}
   for t in range(schedule.num_ticks):
     for s in range(P):
-      a, m = int(schedule.action[t, s]), int(schedule.microbatch[t, s])
+      a, m, j = (int(x[t, s]) for x in (schedule.action, schedule.microbatch, schedule.chunk))
       if a == Action.IDLE:
         continue
-      key = (a, s, m)
-      assert key not in when, f"stage {s} runs {Action(a).name} of microbatch {m} twice"
+      assert a in _KIND, f"tick {t}, stage {s}: unknown action {a}"
+      assert 0 <= m < M, f"tick {t}, stage {s}: microbatch {m} is outside 0..{M - 1}"
+      assert 0 <= j < schedule.virtual_stages, f"tick {t}, stage {s}: chunk {j} out of range"
+      key = (a, j * P + s, m)
+      assert key not in when, f"stage {j * P + s} runs {Action(a).name} of microbatch {m} twice"
       when[key] = t
-  for s in range(P):
+  F, B, IN, W = (Action.FORWARD, Action.BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT)
+  split: dict[tuple[int, int], bool] = {}
+  for g in range(G):  # first: every action is there
     for m in range(M):
-      for a in (Action.FORWARD, Action.BACKWARD):
-        assert (a, s, m) in when, f"stage {s} never runs {a.name} of microbatch {m}"
-      f, b = when[(Action.FORWARD, s, m)], when[(Action.BACKWARD, s, m)]
-      assert f < b, f"stage {s}: backward of microbatch {m} (tick {b}) before its forward ({f})"
-      if s > 0:
-        prev = when[(Action.FORWARD, s - 1, m)]
-        assert prev < f, f"stage {s} runs forward {m} at tick {f}, stage {s - 1} only at {prev}"
-      if s < P - 1:
-        nxt = when[(Action.BACKWARD, s + 1, m)]
-        assert nxt < b, f"stage {s} runs backward {m} at tick {b}, stage {s + 1} only at {nxt}"
+      assert (F, g, m) in when, f"stage {g} never runs FORWARD of microbatch {m}"
+      split[(g, m)] = (IN, g, m) in when or (W, g, m) in when
+      for a in (IN, W) if split[(g, m)] else (B,):
+        assert (a, g, m) in when, f"stage {g} never runs {a.name} of microbatch {m}"
+      assert not (split[(g, m)] and (B, g, m) in when), (
+        f"stage {g} runs both B and I/W of microbatch {m}"
+      )
+  for g in range(G):  # then: each after what it needs
+    for m in range(M):
+      f, b = when[(F, g, m)], when[(IN if split[(g, m)] else B, g, m)]
+      assert f < b, f"stage {g}: backward of microbatch {m} (tick {b}) before its forward ({f})"
+      if split[(g, m)]:
+        w = when[(W, g, m)]
+        assert b < w, f"stage {g}: W of microbatch {m} (tick {w}) before its I ({b})"
+      if g > 0:
+        prev = when[(F, g - 1, m)]
+        assert prev < f, f"stage {g} runs forward {m} at tick {f}, stage {g - 1} only at {prev}"
+      if g < G - 1:
+        nxt = when[(IN if split[(g + 1, m)] else B, g + 1, m)]
+        assert nxt < b, f"stage {g} runs backward {m} at tick {b}, stage {g + 1} only at {nxt}"
+  return when
+
+
+def check_schedule(schedule: Schedule) -> None:
+  """Asserts the table obeys the pipeline's dependencies and its buffers deliver.
+
+  Checks that every model stage runs the forward and the backward (B, or I
+  then W) of every microbatch once, each after what it depends on; then
+  replays the messages through the slot tables with (stage, microbatch) ids as
+  payloads and checks that every action reads its own input and gradient, and
+  that nothing is overwritten while still needed.
+
+  Raises:
+    AssertionError: naming the first violated dependency or misdelivered message.
+  """
+  _check_actions(schedule)
+  P, G = schedule.stages, schedule.model_stages
+  stash = np.full((P, schedule.num_act_slots, 2), -1)
+  inbox = np.full((P, schedule.num_grad_slots, 2), -1)
+  for t in range(schedule.num_ticks):
+    sent_act: list[tuple[int, int] | None] = [None] * P
+    sent_grad: list[tuple[int, int] | None] = [None] * P
+    for s in range(P):
+      a, m, j = (int(x[t, s]) for x in (schedule.action, schedule.microbatch, schedule.chunk))
+      if a == Action.IDLE:
+        continue
+      g = j * P + s
+      if g > 0:
+        slot = schedule.act_slot[t, s]
+        assert slot >= 0 and tuple(stash[s, slot]) == (g, m), (
+          f"tick {t}: stage {g} reads the wrong input for microbatch {m}"
+        )
+      if a != Action.FORWARD and g < G - 1:
+        slot = schedule.grad_slot[t, s]
+        assert slot >= 0 and tuple(inbox[s, slot]) == (g, m), (
+          f"tick {t}: stage {g} reads the wrong gradient for microbatch {m}"
+        )
+      if a == Action.FORWARD and g < G - 1:
+        sent_act[s] = (g + 1, m)
+      if a in (Action.BACKWARD, Action.BACKWARD_INPUT) and g > 0:
+        sent_grad[s] = (g - 1, m)
+    for s in range(P):
+      for slots, buffer, sent, what in (
+        (schedule.recv_act_slot, stash, sent_act[(s - 1) % P], "activation"),
+        (schedule.recv_grad_slot, inbox, sent_grad[(s + 1) % P], "gradient"),
+      ):
+        slot = slots[t, s]
+        if slot >= 0:
+          assert sent is not None, f"tick {t}: stage {s} stores a {what} nobody sent"
+          buffer[s, slot] = sent
+        else:
+          assert sent is None, f"tick {t}: stage {s} drops the {what} for (stage, mb) {sent}"
