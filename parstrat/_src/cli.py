@@ -41,18 +41,101 @@ def _positive_float(text: str) -> float:
   return value
 
 
+def _non_negative(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+  return value
+
+
+def _non_negative_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+  if not value >= 0:
+    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+  return value
+
+
+class _RenamedStore(argparse.Action):
+  """Stores a value; the second and later option strings are old names that print a warning."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    if option_string in self.option_strings[1:] and not getattr(self, "warned", False):
+      self.warned = True
+      print(
+        f"parstrat: warning: {option_string} is deprecated and will be removed; "
+        f"use {self.option_strings[0]}",
+        file=sys.stderr,
+      )
+    setattr(namespace, self.dest, values)
+
+
+def _version() -> str:
+  import parstrat
+
+  return f"parstrat {parstrat.__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+  defaults = argparse.ArgumentDefaultsHelpFormatter
   parser = argparse.ArgumentParser(
-    prog="parstrat", description="Parallelism strategies for Haiku models on JAX."
+    prog="parstrat",
+    description="Parallelism strategies for Haiku models on JAX.",
+    formatter_class=defaults,
   )
+  parser.add_argument("--version", action="version", version=_version())
   sub = parser.add_subparsers(dest="command", required=True)
 
-  train = sub.add_parser("train", help="train an MLP on MNIST with a strategy")
+  train = sub.add_parser(
+    "train",
+    help="train a model (default: an MLP on MNIST) with a strategy",
+    formatter_class=defaults,
+    description="Train a Haiku model with a parallelism strategy. Every flag is also a key "
+    "of a --config TOML file; flags on the command line override the file.",
+  )
+  train.add_argument("--config", default=None, help="TOML file of flags (batch-size = 128, ...)")
   train.add_argument("--strategy", default="data_parallel", help="a registered strategy name")
-  train.add_argument("--epochs", type=_positive, default=3)
+  train.add_argument(
+    "--model-fn",
+    default=None,
+    help="your model: 'package.module:function' or 'path/file.py:function' returning an "
+    "hk.Transformed, or (hk.Transformed, loss_fn); default: an MLP of --hidden widths",
+  )
+  train.add_argument(
+    "--dataset",
+    default="mnist",
+    help="'mnist' (tfds or the bundled sample, see --source), any tfds dataset name, or "
+    "'package.module:function' / 'path/file.py:function' returning (train, eval) batches",
+  )
+  train.add_argument("--epochs", type=_positive, default=3, help="passes over the training data")
   train.add_argument("--batch-size", type=_positive, default=256, help="global batch size")
-  train.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
-  train.add_argument("--seed", type=int, default=0)
+  train.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, momentum, lamb, "
+                     "lion, rmsprop or adafactor (optax)")  # fmt: skip
+  train.add_argument("--lr", type=_positive_float, default=1e-3, help="peak learning rate")
+  train.add_argument(
+    "--lr-schedule",
+    choices=("constant", "cosine"),
+    default="constant",
+    help="after the warm-up: constant, or cosine decay to 0 at the last step",
+  )
+  train.add_argument(
+    "--warmup-steps", type=_non_negative, default=0, help="linear learning-rate warm-up steps"
+  )
+  train.add_argument(
+    "--weight-decay", type=_non_negative_float, default=0.0, help="weight decay (0: none)"
+  )
+  train.add_argument(
+    "--clip-norm",
+    type=_positive_float,
+    default=None,
+    help="clip the gradients' global norm to this (optax.clip_by_global_norm)",
+  )
+  train.add_argument("--seed", type=int, default=0, help="params and data-order seed")
   train.add_argument(
     "--devices",
     type=_positive,
@@ -60,14 +143,32 @@ def build_parser() -> argparse.ArgumentParser:
     help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
   )
   train.add_argument(
-    "--hidden", type=_positive, nargs="+", default=[512], help="hidden layer widths"
+    "--hidden", type=_positive, nargs="+", default=[512], help="the default MLP's hidden widths"
   )
-  train.add_argument("--source", choices=("auto", "tfds", "sample"), default="auto")
+  train.add_argument(
+    "--source",
+    choices=("auto", "tfds", "sample"),
+    default="auto",
+    help="where --dataset mnist comes from: tfds, the bundled 10,000-image sample, or auto "
+    "(tfds when reachable, else the sample)",
+  )
   train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
-  train.add_argument("--data", type=_positive, default=None, help="data-parallel replicas")
-  train.add_argument("--stages", type=_positive, default=None, help="pipeline stages")
-  train.add_argument("--model", type=_positive, default=None, help="tensor-parallel devices")
-  train.add_argument("--microbatches", type=_positive, default=None)
+  train.add_argument(
+    "--data-parallel", "--data", dest="data", action=_RenamedStore, type=_positive,
+    default=None, metavar="N", help="data-parallel replicas (mesh axis 'data'; --data is the "
+    "old name)",
+  )  # fmt: skip
+  train.add_argument(
+    "--stages", type=_positive, default=None, help="pipeline stages (mesh axis 'stage')"
+  )
+  train.add_argument(
+    "--tensor-parallel", "--model", dest="model", action=_RenamedStore, type=_positive,
+    default=None, metavar="N", help="tensor-parallel devices (mesh axis 'model'; --model is "
+    "the old name)",
+  )  # fmt: skip
+  train.add_argument(
+    "--microbatches", type=_positive, default=None, help="pipeline microbatches (default: stages)"
+  )
   train.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="fsdp's ZeRO stage")
   train.add_argument(
     "--memory-budget",
@@ -82,9 +183,27 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--accumulate", type=_positive, default=1, help="gradient accumulation microsteps per step"
   )
-  train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+  train.add_argument(
+    "--schedule",
+    choices=("gpipe", "1f1b"),
+    default=None,
+    help="pipeline schedule (default: the strategy's, 1f1b)",
+  )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
+  train.add_argument(
+    "--log-every",
+    type=_positive,
+    default=1,
+    help="write metrics (metrics.jsonl, TensorBoard) every N steps: mean loss over those steps; "
+    "with --no-progress also print a line",
+  )
+  train.add_argument(
+    "--eval-every",
+    type=_positive,
+    default=None,
+    help="also evaluate every N steps (default: at the end of each epoch only)",
+  )
   train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
   train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
   train.add_argument("--keep", type=_positive, default=3, help="checkpoints to keep")
@@ -100,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--out",
     default=None,
-    help="run directory for metrics.jsonl and report.png (default: --checkpoint-dir)",
+    help="run directory for metrics.jsonl, TensorBoard event files and report.png "
+    "(default: --checkpoint-dir)",
   )
   train.add_argument(
     "--compare",
@@ -111,8 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     "multi-process", "run one process per host (JAX's own cluster detection works too)"
   )
   multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  multi.add_argument("--num-processes", type=_positive, default=None)
-  multi.add_argument("--process-id", type=int, default=None)
+  multi.add_argument(
+    "--num-processes", type=_positive, default=None, help="processes in the run"
+  )
+  multi.add_argument("--process-id", type=int, default=None, help="this process's index")
   multi.add_argument(
     "--join-timeout", type=_positive, default=120, help="seconds to wait for all processes"
   )
@@ -123,14 +245,41 @@ def build_parser() -> argparse.ArgumentParser:
     help="seconds without a heartbeat after which a lost process stops the others",
   )
 
-  sched = sub.add_parser("schedule", help="print and draw a pipeline schedule")
-  sched.add_argument("--stages", type=_positive, required=True)
-  sched.add_argument("--microbatches", type=_positive, required=True)
-  sched.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+  sched = sub.add_parser(
+    "schedule", help="print and draw a pipeline schedule", formatter_class=defaults
+  )
+  sched.add_argument("--stages", type=_positive, required=True, help="pipeline stages P")
+  sched.add_argument("--microbatches", type=_positive, required=True, help="microbatches M")
+  sched.add_argument(
+    "--schedule", choices=("gpipe", "1f1b"), default="1f1b", help="the schedule to build"
+  )
   sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
 
-  sub.add_parser("list", help="list the registered strategies")
+  sub.add_parser("list", help="list the registered strategies", formatter_class=defaults)
   return parser
+
+
+def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+  return sub.choices["train"]
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+  """Parses the command line; `train --config FILE` reads FILE's keys as flags first."""
+  from parstrat._src import config
+
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(argv)
+  if getattr(args, "config", None) is None:
+    return args
+  try:
+    tokens = config.config_to_argv(
+      config.load_toml(args.config), _train_parser(parser), args.config
+    )
+  except config.ConfigError as e:
+    raise UsageError(str(e)) from None
+  at = argv.index("train") + 1
+  return parser.parse_args([*argv[:at], *tokens, *argv[at:]])
 
 
 def _setup_devices(count: int) -> None:
@@ -165,27 +314,26 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   return config
 
 
-def _accuracy(trainer, state, images, labels, batch_size: int, rows: slice) -> float:
-  """Eval accuracy; the last partial batch is padded (padding is not counted)."""
-  import numpy as np
-  from jax.experimental import multihost_utils
-
-  correct = 0
-  for start in range(0, len(labels), batch_size):
-    x = images[start : start + batch_size]
-    n = len(x)
-    if n < batch_size:
-      x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
-    logits = trainer.apply(state, x[rows])
-    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))[:n]
-    correct += int(np.sum(logits.argmax(-1) == labels[start : start + n]))
-  return correct / len(labels)
-
-
 def _multi_process(args: argparse.Namespace) -> bool:
   import os
 
   return args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+
+
+def _devices_hint(e) -> str:
+  return f"{e.base} Pass --devices {e.needed} (on CPU, that many virtual devices are made)."
+
+
+def _default_model(hidden: list[int], classes: int):
+  import haiku as hk
+  import jax
+
+  widths = [*hidden, classes]
+
+  def mlp(x):
+    return hk.nets.MLP(widths, activation=jax.nn.swish)(x.reshape(x.shape[0], -1))
+
+  return hk.transform(mlp)
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -205,11 +353,12 @@ def train(args: argparse.Namespace) -> dict:
       raise UsageError(str(e)) from None
   else:
     _setup_devices(args.devices)
-  import haiku as hk
   import jax
 
   import parstrat
-  from parstrat._src import datasets
+  from parstrat._src import config
+  from parstrat._src import run_data
+  from parstrat._src.messages import TooFewDevicesError
 
   primary = distributed.is_primary()
   say = print if primary else (lambda *a, **k: None)
@@ -229,28 +378,44 @@ def train(args: argparse.Namespace) -> dict:
         strategies[name].make_mesh()
     except KeyError as e:
       raise UsageError(e.args[0]) from None
+    except TooFewDevicesError as e:
+      raise UsageError(_devices_hint(e)) from None
     except (TypeError, ValueError) as e:
       raise UsageError(str(e)) from None
 
-  widths = [*args.hidden, 10]
-  model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
-  data = datasets.load_mnist(args.source, data_dir=args.data_dir, log=say)
-  say(f"data: {data}")
-  if len(data.train_labels) // args.batch_size < 1:
-    raise UsageError(
-      f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
+  try:
+    data = run_data.load(
+      args.dataset,
+      source=args.source,
+      data_dir=args.data_dir,
+      batch_size=args.batch_size,
+      seed=args.seed,
+      log=say,
     )
+    if args.model_fn is None:
+      model, loss_fn = _default_model(args.hidden, data.num_classes or 10), None
+    else:
+      model, loss_fn = config.load_model(args.model_fn, seed=args.seed)
+  except ValueError as e:  # ConfigError is a ValueError
+    raise UsageError(str(e)) from None
+  say(f"data: {data.description}")
   # The report goes next to the checkpoints unless --out says otherwise.
   out_dir = args.out or args.checkpoint_dir
   out = pathlib.Path(out_dir) if out_dir else None
   runs = {}
   for name, strategy in strategies.items():
     metrics_path = args.metrics
-    if out is not None and args.metrics is None:
-      metrics_path = out / name / "metrics.jsonl" if args.compare else out / "metrics.jsonl"
+    run_dir = None
+    if out is not None:
+      run_dir = out / name if args.compare else out
       if primary:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    runs[name] = _train_one(args, strategy, model, data, metrics_path if primary else None, say)
+        run_dir.mkdir(parents=True, exist_ok=True)
+      if args.metrics is None:
+        metrics_path = run_dir / "metrics.jsonl"
+    runs[name] = _train_one(
+      args, strategy, model, data, metrics_path if primary else None, say,
+      loss_fn=loss_fn, devices=devices, log_dir=run_dir if primary else None,
+    )  # fmt: skip
   if out is not None and primary:
     from parstrat._src import report
 
@@ -269,46 +434,96 @@ def strategy_name(strategy) -> str:
   return type(strategy).__name__
 
 
-def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
-  """Trains one strategy; writes one JSON line per step and per epoch's eval."""
+def _total_steps(args, data) -> int | None:
+  if args.steps is not None:
+    if data.steps_per_epoch is None:
+      return args.steps
+    return min(args.steps, args.epochs * data.steps_per_epoch)
+  return None if data.steps_per_epoch is None else args.epochs * data.steps_per_epoch
+
+
+def _optimizer(args, data):
+  """The optimizer and its learning-rate schedule from the flags."""
+  from parstrat._src import optimizers
+
+  try:
+    schedule = optimizers.learning_rate_schedule(
+      args.lr,
+      schedule=args.lr_schedule,
+      warmup_steps=args.warmup_steps,
+      total_steps=_total_steps(args, data),
+    )
+    optimizer = optimizers.make_optimizer(
+      args.optimizer, schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm
+    )
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  return optimizer, schedule
+
+
+def _train_one(
+  args, strategy, model, data, metrics_path, say, *, loss_fn=None, devices=(), log_dir=None
+) -> dict:
+  """Trains one strategy; writes metrics every --log-every steps and each eval."""
   import jax
-  import optax
+  import numpy as np
   from tqdm import tqdm
 
-  from parstrat._src import datasets
+  from parstrat._src import banner
+  from parstrat._src import run_data
+  from parstrat._src import tensorboard_log
 
+  optimizer, lr_schedule = _optimizer(args, data)
   try:
     trainer = strategy(
       model,
-      optax.adam(args.lr),
+      optimizer,
+      loss_fn=loss_fn,
       skip_nonfinite=not args.stop_on_nonfinite,
       precision=args.precision,
       accumulate=args.accumulate,
     )
-    state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
-    rows = trainer.local_batch_rows(args.batch_size)
+    state = trainer.init(jax.random.key(args.seed), data.sample_inputs)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
-  say(f"strategy: {trainer.strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  try:
+    rows = trainer.local_batch_rows(args.batch_size)
+  except ValueError as e:
+    raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
+  name = strategy_name(trainer.strategy)
+  for line in banner.lines(trainer, state, devices or jax.devices(), name):
+    say(line)
   if jax.process_count() > 1:
     say(f"processes: {jax.process_count()}, {jax.local_device_count()} devices each")
   if trainer.plan.description:
     say(trainer.plan.description)
-  steps_per_epoch = len(data.train_labels) // args.batch_size
+  used = int(trainer.mesh.devices.size)
+  steps_per_epoch = data.steps_per_epoch
   records = []
   metrics_file = open(metrics_path, "w") if metrics_path else None  # noqa: SIM115
+  board = tensorboard_log.ScalarWriter(log_dir) if log_dir is not None else None
 
   def record(row: dict) -> None:
     records.append(row)
     if metrics_file is not None:
       metrics_file.write(json.dumps(row) + "\n")
       metrics_file.flush()
+    if board is not None:
+      board.write(row["step"], row)
 
-  examples = 0
-  train_time = 0.0
+  def evaluate(epoch: int) -> float | None:
+    if data.eval_batches is None:
+      return None
+    accuracy = run_data.eval_accuracy(trainer, state, data.eval_batches(), args.batch_size, rows)
+    if accuracy is not None:
+      record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
+    return accuracy
+
+  timed_examples = 0
+  timed_seconds = 0.0
   step = 0
   skipped: list[int] = []
-  accuracy = float("nan")
+  accuracy = None
   ckpt = None
   first_epoch, skip_batches = 0, 0
   if args.checkpoint_dir:
@@ -331,6 +546,7 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
       say(
         f"resumed from {directory} at step {step} (epoch {first_epoch + 1}, batch {skip_batches})"
       )
+  first_step = step + 1  # compiles: not timed
 
   def position(epoch: int, batch: int) -> dict:
     if batch == steps_per_epoch:
@@ -338,61 +554,90 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
             "batch_size": args.batch_size}  # fmt: skip
 
+  window: list[float] = []  # finite losses since the last logged row
+  window_seconds = 0.0
+  epoch = first_epoch
+  batch_in_epoch = skip_batches
   try:
     for epoch in range(first_epoch, args.epochs):
       if args.steps is not None and step >= args.steps:
         break
-      order = datasets.batch_indices(
-        len(data.train_labels), args.batch_size, seed=args.seed, epoch=epoch
-      )
+      batches = data.train_epoch(epoch)
       if epoch == first_epoch and skip_batches:
-        order = itertools.islice(order, skip_batches, None)
+        batches = itertools.islice(batches, skip_batches, None)
       batch_in_epoch = skip_batches if epoch == first_epoch else 0
       bar = tqdm(
-        order,
+        batches,
         total=steps_per_epoch,
         desc=f"epoch {epoch + 1}/{args.epochs}",
         initial=batch_in_epoch,
         disable=args.no_progress or jax.process_index() != 0,
         leave=True,
       )
-      start = time.perf_counter()
-      for index in bar:
-        mine = index[rows]  # this process loads only its own rows of the global batch
+      epoch_losses = []
+      epoch_start_step = step
+      for batch in bar:
+        if jax.process_count() > 1:  # this process passes only its own rows of the batch
+          batch = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         tick = time.perf_counter()
         try:
-          state, metrics = trainer.step(state, (data.train_images[mine], data.train_labels[mine]))
+          state, metrics = trainer.step(state, batch)
         except (TypeError, ValueError) as e:
           raise UsageError(str(e)) from None
         step += 1
-        loss = float(metrics["loss"])
-        rate = args.batch_size / (time.perf_counter() - tick)
-        row = {"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate}
-        if not bool(metrics["finite"]):
+        loss = float(metrics["loss"])  # waits for the step
+        seconds = time.perf_counter() - tick
+        if step > first_step:
+          timed_examples += args.batch_size
+          timed_seconds += seconds
+        window_seconds += seconds
+        finite = bool(metrics["finite"])
+        if not finite:
           if args.stop_on_nonfinite:
             raise TrainingError(
               f"step {step} (epoch {epoch + 1}): the loss or gradients are not finite "
               f"(loss {loss}); stopping before the update"
             )
           skipped.append(step)
-          row["skipped"] = True
-        record(row)
+        else:
+          window.append(loss)
+          epoch_losses.append(loss)
         batch_in_epoch += 1
+        if step % args.log_every == 0:
+          logged = args.log_every if step >= args.log_every else step
+          row = {
+            "step": step,
+            "epoch": epoch + 1,
+            "loss": float(np.mean(window)) if window else loss,
+            "grad_norm": float(metrics["grad_norm"]),
+            "examples_per_s": logged * args.batch_size / window_seconds,
+            "learning_rate": float(lr_schedule(step - 1)),
+            "skipped_steps": len(skipped),
+          }
+          if skipped and skipped[-1] > step - logged:
+            row["skipped"] = True
+          record(row)
+          if args.no_progress and args.log_every > 1:
+            say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
+          window, window_seconds = [], 0.0
         if ckpt is not None:
           ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step)
         if not args.no_progress:
           bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if args.eval_every and step % args.eval_every == 0:
+          accuracy = evaluate(epoch)
         if args.steps is not None and step >= args.steps:
           break
-      jax.block_until_ready(state)
-      if epoch > first_epoch:  # the first epoch includes compilation
-        train_time += time.perf_counter() - start
-        examples += steps_per_epoch * args.batch_size
-      accuracy = _accuracy(
-        trainer, state, data.eval_images, data.eval_labels, args.batch_size, rows
-      )
-      record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
-      say(f"epoch {epoch + 1}: loss {loss:.4f}, eval accuracy {accuracy:.4f}")
+      if step == epoch_start_step:  # e.g. a generator, exhausted by the previous epoch
+        say(f"epoch {epoch + 1}: the train data had no batches left; stopping")
+        break
+      if not (args.eval_every and step % args.eval_every == 0):
+        accuracy = evaluate(epoch)
+      mean = f"{np.mean(epoch_losses):.4f}" if epoch_losses else "nan"
+      if board is not None and epoch_losses:
+        board.write(step, {"epoch_loss": float(np.mean(epoch_losses))})
+      shown = "" if accuracy is None else f", eval accuracy {accuracy:.4f}"
+      say(f"epoch {epoch + 1}: loss {mean} (mean of {len(epoch_losses)} steps){shown}")
       if args.steps is not None and step >= args.steps:
         break
     if ckpt is not None:
@@ -402,12 +647,17 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
       metrics_file.close()
     if ckpt is not None:
       ckpt.close()
-  rate = examples / train_time if train_time else float("nan")
-  say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
-  say(
-    f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
-    f"{jax.device_count()} {jax.devices()[0].platform} devices"
-  )
+    if board is not None:
+      board.close()
+  if accuracy is not None:
+    say(f"eval accuracy: {accuracy:.4f} ({data.description})")
+  platform = trainer.mesh.devices.flat[0].platform
+  if timed_seconds:
+    throughput = f"{timed_examples / timed_seconds:,.0f} examples/s over the "
+    throughput += f"{timed_examples // args.batch_size:,} steps after the first (compiling) one"
+  else:
+    throughput = "not measured (only the first, compiling, step ran)"
+  say(f"throughput: {throughput}, on {used} of {len(devices) or used} {platform} devices")
   say(f"mesh: {dict(trainer.mesh.shape)}")
   if skipped:
     say(f"skipped {len(skipped)} update(s) with non-finite loss or gradients: steps {skipped}")
@@ -423,7 +673,7 @@ def schedule(args: argparse.Namespace) -> None:
     raise UsageError(str(e)) from None
   print(table)
   print(
-    f"bubble fraction: {table.bubble_fraction():.4f} measured, "
+    f"bubble fraction: {table.bubble_fraction():.4f} idle share of the tick table, "
     f"{table.theoretical_bubble():.4f} theory (P-1)/(M+P-1); "
     f"peak live activations per stage: {table.max_live_activations()}"
   )
@@ -449,7 +699,11 @@ def list_strategies() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
-  args = parser.parse_args(argv)
+  try:
+    args = parse_args(parser, argv)
+  except UsageError as e:
+    print(f"parstrat train: error: {e}", file=sys.stderr)
+    return 2
   try:
     if args.command == "train":
       train(args)

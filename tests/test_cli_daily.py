@@ -1,0 +1,249 @@
+"""`parstrat train` as a daily tool: config files, your model and data, TensorBoard, banners."""
+
+import json
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from parstrat._src import cli
+from parstrat._src import config
+from parstrat._src import optimizers
+
+USER_FILE = """
+import haiku as hk
+import numpy as np
+import optax
+
+
+def model():
+  net = hk.transform(lambda x: hk.nets.MLP([16, 16, 4])(x))
+
+  def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return net, loss_fn
+
+
+def data(batch_size, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(8 * batch_size, 12)).astype(np.float32)
+  y = x[:, :4].argmax(-1).astype(np.int32)
+  train = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+  return train, [(x[:50], y[:50])]
+"""
+
+
+def read_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+  """Reads TensorBoard event files (TFRecord framing of `Event` protos) without TensorFlow."""
+  from tensorboardX.proto import event_pb2
+
+  scalars = {}
+  files = sorted(pathlib.Path(directory).glob("events.out.tfevents.*"))
+  assert files, f"no event file in {directory}"
+  for path in files:
+    raw, i = path.read_bytes(), 0
+    while i < len(raw):
+      (length,) = struct.unpack("<Q", raw[i : i + 8])
+      event = event_pb2.Event.FromString(raw[i + 12 : i + 12 + length])
+      i += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_your_model_and_dataset_from_a_config_file_with_tensorboard(tmp_path, monkeypatch, capsys):
+  (tmp_path / "mymodel.py").write_text(USER_FILE)
+  run = tmp_path / "run"
+  (tmp_path / "run.toml").write_text(
+    f"""
+model-fn = "{tmp_path / 'mymodel.py'}:model"
+dataset = "mymodel:data"
+strategy = "pipeline"
+stages = 3
+batch_size = 24
+epochs = 1
+optimizer = "adamw"
+weight-decay = 1e-4
+lr = 0.01
+lr-schedule = "cosine"
+warmup-steps = 2
+clip-norm = 1.0
+log-every = 2
+eval-every = 3
+no-progress = true
+out = "{run}"
+"""
+  )
+  monkeypatch.chdir(tmp_path)  # `mymodel:data` is imported from the current directory
+  assert cli.main(["train", "--config", "run.toml", "--epochs", "2"]) == 0  # the flag wins
+  out = capsys.readouterr().out.splitlines()
+  assert "devices: 3 of 8 cpu devices used, 5 idle" in out
+  assert "options: schedule=1f1b, microbatches=3 (default: one per stage), non-finite steps " \
+    "skipped" in out  # fmt: skip
+  assert "warning: 5 of 8 devices idle: the mesh data=1 x stage=3 uses 3" in out
+  assert any(x.startswith("state per device: params ") for x in out)
+  throughput = next(x for x in out if x.startswith("throughput:"))
+  assert "over the 15 steps after the first" in throughput
+  assert throughput.endswith("on 3 of 8 cpu devices")
+  assert "mesh: {'data': 1, 'stage': 3}" in out
+
+  rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if "loss" in r]
+  assert [r["step"] for r in steps] == list(range(2, 17, 2))  # 2 epochs of 8, every 2nd step
+  board = read_scalars(run)
+  assert [s for s, _ in board["train/loss"]] == list(range(2, 17, 2))
+  np.testing.assert_allclose([v for _, v in board["train/loss"]], [r["loss"] for r in steps],
+                             rtol=1e-6)  # fmt: skip
+  schedule = optimizers.learning_rate_schedule(0.01, schedule="cosine", warmup_steps=2,
+                                               total_steps=16)  # fmt: skip
+  np.testing.assert_allclose(
+    [v for _, v in board["train/learning_rate"]], [float(schedule(s - 1)) for s in range(2, 17, 2)],
+    rtol=1e-5, atol=1e-9,
+  )  # fmt: skip
+  assert all(v > 0 for _, v in board["train/grad_norm"] + board["train/examples_per_s"])
+  assert [v for _, v in board["train/skipped_steps"]] == [0] * 8
+  assert sorted(s for s, _ in board["eval/accuracy"]) == [3, 6, 8, 9, 12, 15, 16]
+  # The epoch loss is the mean over the epoch's steps (here: of the 2-step means).
+  epoch_loss = dict(board["train/epoch_loss"])
+  assert epoch_loss[8] == pytest.approx(np.mean([r["loss"] for r in steps[:4]]), rel=1e-5)
+  assert epoch_loss[16] == pytest.approx(np.mean([r["loss"] for r in steps[4:]]), rel=1e-5)
+  assert f"epoch 2: loss {epoch_loss[16]:.4f} (mean of 8 steps)" in " ".join(out)
+  assert epoch_loss[16] < epoch_loss[8]  # it learns
+
+
+def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):
+  args = ["train", "--compare", "data_parallel,tensor", "--data", "2", "--tensor-parallel", "3",
+          "--dataset", "fashion_mnist", "--hidden", "16", "--batch-size", "12", "--epochs", "1",
+          "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+  with tfds.testing.mock_data(num_examples=48):
+    assert cli.main(args) == 0
+  captured = capsys.readouterr()
+  out = captured.out
+  warnings = [x for x in captured.err.splitlines() if "deprecated" in x]
+  assert warnings == ["parstrat: warning: --data is deprecated and will be removed; use "
+                      "--data-parallel"]  # fmt: skip
+  assert "data: tfds fashion_mnist: 48 train, 48 eval" in out
+  assert "devices: 2 of 8 cpu devices used, 6 idle" in out
+  assert "devices: 3 of 8 cpu devices used, 5 idle" in out
+  assert "warning: tensor parallelises nothing here" in out
+  assert out.count("warning: data_parallel parallelises nothing") == 0
+  summaries = [x for x in out.splitlines() if x.startswith("throughput:")]
+  assert len(summaries) == 2 and "nan" not in out
+  assert summaries[0].endswith("on 2 of 8 cpu devices")
+  assert summaries[1].endswith("on 3 of 8 cpu devices")
+  for name in ("data_parallel", "tensor"):
+    board = read_scalars(tmp_path / name)
+    assert [s for s, _ in board["train/loss"]] == [1, 2, 3, 4]
+    assert 0.0 <= board["eval/accuracy"][0][1] <= 1.0
+
+
+@pytest.fixture()
+def parse():
+  parser = cli.build_parser()
+  return lambda *argv: cli.parse_args(parser, list(argv))
+
+
+def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
+  path = tmp_path / "run.toml"
+  path.write_text(
+    'strategy = "hybrid"\ndata-parallel = 2\nhidden = [64, 32]\nbatch_size = 128\n'
+    'no-progress = true\nstop-on-nonfinite = false\n'
+  )
+  args = parse("train", "--config", str(path), "--batch-size", "64")
+  assert (args.strategy, args.data, args.hidden, args.batch_size) == ("hybrid", 2, [64, 32], 64)
+  assert args.no_progress and not args.stop_on_nonfinite
+  path.write_text("[train]\nepochs = 7\n")  # a [train] table works too
+  assert parse("train", "--config", str(path)).epochs == 7
+
+
+@pytest.mark.parametrize(
+  "text, message",
+  [
+    ("batchsize = 3", "run.toml: unknown key 'batchsize'; did you mean 'batch-size'?"),
+    ("epochs = 0", "run.toml: epochs = 0: expected a positive integer, got 0"),
+    ('schedule = "zigzag"', "run.toml: schedule = 'zigzag': choose one of gpipe, 1f1b"),
+    ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
+    ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
+    ("epochs = ", "run.toml: not valid TOML"),
+  ],
+)
+def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys, text, message):
+  monkeypatch.chdir(tmp_path)
+  pathlib.Path("run.toml").write_text(text + "\n")
+  assert cli.main(["train", "--config", "run.toml"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "\n" not in err
+
+
+def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
+  (tmp_path / "mymodel.py").write_text(USER_FILE)
+  monkeypatch.chdir(tmp_path)
+  model, loss_fn = config.load_model("mymodel:model")
+  assert callable(model.init) and callable(loss_fn)
+  fn = config.load_object(str(tmp_path / "mymodel.py") + ":data", "--dataset")
+  train, evaluation = fn(batch_size=4, seed=0)
+  assert len(train) == 8 and train[0][0].shape == (4, 12)
+  with pytest.raises(config.ConfigError, match=r"'mymodel:modle': mymodel has no attribute "
+                     r"'modle'; did you mean 'model'\?"):  # fmt: skip
+    config.load_object("mymodel:modle", "--model-fn")
+  for spec, message in [
+    ("mymodel", "expected 'package.module:function' or 'path/to/file.py:function'"),
+    ("nosuchmodule:f", "no module named 'nosuchmodule'"),
+    ("missing.py:f", "no file missing.py"),
+  ]:
+    with pytest.raises(config.ConfigError, match=message):
+      config.load_object(spec, "--model-fn")
+  (tmp_path / "bad.py").write_text("def model():\n  return 3\n")
+  with pytest.raises(config.ConfigError, match="gave int; expected an hk.Transformed"):
+    config.load_model("bad:model")
+
+
+def test_optimizers_by_name_and_schedules():
+  import optax
+
+  for name in optimizers.OPTIMIZERS:
+    for decay in (0.0, 1e-4):
+      tx = optimizers.make_optimizer(name, 1e-3, weight_decay=decay, clip_norm=1.0)
+      assert isinstance(tx, optax.GradientTransformation)
+  with pytest.raises(ValueError, match="Unknown optimizer 'adamm'; did you mean 'adam'"):
+    optimizers.make_optimizer("adamm", 1e-3)
+  with pytest.raises(ValueError, match="pass --steps"):
+    optimizers.learning_rate_schedule(1.0, schedule="cosine", warmup_steps=0, total_steps=None)
+  warm = optimizers.learning_rate_schedule(2.0, schedule="constant", warmup_steps=4, total_steps=None)
+  assert [float(warm(i)) for i in (0, 2, 4, 100)] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_help_shows_every_default_and_version(capsys):
+  parser = cli.build_parser()
+  train = cli._train_parser(parser)
+  for action in train._actions:
+    assert action.help, f"{action.option_strings} has no help"
+  text = train.format_help()
+  for flag in ("--batch-size", "--optimizer", "--lr-schedule", "--log-every", "--dataset"):
+    assert flag in text
+  assert "(default: 256)" in text and "(default: adam)" in text and "(default: mnist)" in text
+  schedule = next(a for a in parser._actions if a.dest == "command").choices["schedule"]
+  assert "(default: 1f1b)" in schedule.format_help()
+  with pytest.raises(SystemExit):
+    cli.main(["--version"])
+  assert capsys.readouterr().out.strip() == "parstrat 0.1.0"
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--strategy", "pipeline", "--stages", "3", "--batch-size", "64"],
+     "multiple of 3 (1 device(s) along P('data',) x 3 microbatches (default: one per stage)), "
+     "got 64; the nearest valid sizes are 63 and 66."),
+    (["--strategy", "pipeline", "--stages", "4", "--devices", "2"],
+     "needs 4 devices, but only 2 are available. Pass --devices 4"),
+  ],
+)  # fmt: skip
+def test_errors_say_what_to_change(argv, message, capsys):
+  common = ["train", "--source", "sample", "--hidden", "16", "16", "16", "--steps", "1"]
+  assert cli.main([*common, *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "\n" not in err
