@@ -2,6 +2,7 @@
 
 from parstrat import checks
 from parstrat import collectives
+from parstrat import datasets
 from parstrat import pipeline
 from parstrat._src.auto import Auto
 from parstrat._src.auto import Candidate
@@ -45,6 +46,7 @@ __all__ = [
   "build_mesh",
   "checks",
   "collectives",
+  "datasets",
   "get",
   "pipeline",
   "register",
