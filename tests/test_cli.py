@@ -72,7 +72,10 @@ def test_schedule_draws_a_png(tmp_path):
     "schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)
   )
   assert out.returncode == 0, out.stderr
-  assert "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)" in out.stdout
+  assert (
+    "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)"
+    in out.stdout
+  )
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -59,7 +59,7 @@ def test_your_model_and_dataset_from_a_config_file_with_tensorboard(tmp_path, mo
   run = tmp_path / "run"
   (tmp_path / "run.toml").write_text(
     f"""
-model-fn = "{tmp_path / 'mymodel.py'}:model"
+model-fn = "{tmp_path / "mymodel.py"}:model"
 dataset = "mymodel:data"
 strategy = "pipeline"
 stages = 3
@@ -150,7 +150,7 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
   path = tmp_path / "run.toml"
   path.write_text(
     'strategy = "hybrid"\ndata-parallel = 2\nhidden = [64, 32]\nbatch_size = 128\n'
-    'no-progress = true\nstop-on-nonfinite = false\n'
+    "no-progress = true\nstop-on-nonfinite = false\n"
   )
   args = parse("train", "--config", str(path), "--batch-size", "64")
   assert (args.strategy, args.data, args.hidden, args.batch_size) == ("hybrid", 2, [64, 32], 64)
@@ -212,7 +212,8 @@ def test_optimizers_by_name_and_schedules():
     optimizers.make_optimizer("adamm", 1e-3)
   with pytest.raises(ValueError, match="pass --steps"):
     optimizers.learning_rate_schedule(1.0, schedule="cosine", warmup_steps=0, total_steps=None)
-  warm = optimizers.learning_rate_schedule(2.0, schedule="constant", warmup_steps=4, total_steps=None)
+  warm = optimizers.learning_rate_schedule(2.0, schedule="constant", warmup_steps=4,
+                                           total_steps=None)  # fmt: skip
   assert [float(warm(i)) for i in (0, 2, 4, 100)] == [0.0, 1.0, 2.0, 2.0]
 
 

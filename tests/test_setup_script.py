@@ -25,7 +25,7 @@ def test_setup_installs_once_per_pyproject(tmp_path):
 
   calls = lambda: (tmp_path / "calls").read_text().splitlines()  # noqa: E731
   first = setup()
-  assert [c.split(" install ")[1] for c in calls()] == ["--upgrade pip", '-e .[dev]']
+  assert [c.split(" install ")[1] for c in calls()] == ["--upgrade pip", "-e .[dev]"]
   second = setup()
   assert second.stdout == second.stderr == "" and len(calls()) == 2  # nothing ran
   with open(tmp_path / "pyproject.toml", "a") as f:

@@ -54,9 +54,7 @@ def _first_example(batch: Any) -> Any:
   return jax.tree.map(lambda x: np.asarray(x)[:1], inputs_of(batch))
 
 
-def mnist(
-  source: str, *, data_dir: str | None, batch_size: int, seed: int, log=print
-) -> RunData:
+def mnist(source: str, *, data_dir: str | None, batch_size: int, seed: int, log=print) -> RunData:
   """MNIST through `parstrat.datasets.load_mnist` (tfds, else the bundled sample).
 
   Raises:
