@@ -84,7 +84,10 @@ out = "{run}"
   assert "options: schedule=1f1b, microbatches=3 (default: one per stage), non-finite steps " \
     "skipped" in out  # fmt: skip
   assert "warning: 5 of 8 devices idle: the mesh data=1 x stage=3 uses 3" in out
-  assert any(x.startswith("state per device: params ") for x in out)
+  # The largest stage is linear_1, 16 x 16 + 16 = 272 float32 (1.06 KiB) on every device;
+  # AdamW keeps two of those, plus its step counters.
+  state = next(x for x in out if x.startswith("state per device: params "))
+  assert state.startswith("state per device: params 1.06 KiB + optimizer 2.1")
   throughput = next(x for x in out if x.startswith("throughput:"))
   assert "over the 15 steps after the first" in throughput
   assert throughput.endswith("on 3 of 8 cpu devices")
@@ -248,3 +251,22 @@ def test_errors_say_what_to_change(argv, message, capsys):
   assert cli.main([*common, *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and "\n" not in err
+
+
+def test_library_messages_name_options_and_the_device_hint():
+  import haiku as hk
+  import jax
+  import optax
+
+  import parstrat
+
+  model = hk.transform(lambda x: hk.nets.MLP([8, 4])(x))
+  trainer = parstrat.DataParallel(data=2)(
+    model, optax.sgd(0.1), precision="mixed_bfloat16", accumulate=2
+  )
+  assert repr(trainer) == (
+    "Trainer(DataParallel(data=2), mesh={'data': 2}, precision='mixed_bfloat16', accumulate=2)"
+  )
+  with pytest.raises(ValueError, match=r"needs 2 devices, but only 1 are available\. On CPU, "
+                     r"make 2 virtual devices .*parstrat\.testing\.use_cpu_devices\(2\)"):  # fmt: skip
+    parstrat.build_mesh({"data": 2}, jax.devices()[:1])

@@ -453,8 +453,14 @@ def _optimizer(args, data):
       warmup_steps=args.warmup_steps,
       total_steps=_total_steps(args, data),
     )
+    # A constant rate goes in as a number: the optimizer state then has no schedule
+    # counter, and checkpoints restore with a plain `optax.adam(lr)`.
+    constant = args.lr_schedule == "constant" and not args.warmup_steps
     optimizer = optimizers.make_optimizer(
-      args.optimizer, schedule, weight_decay=args.weight_decay, clip_norm=args.clip_norm
+      args.optimizer,
+      args.lr if constant else schedule,
+      weight_decay=args.weight_decay,
+      clip_norm=args.clip_norm,
     )
   except ValueError as e:
     raise UsageError(str(e)) from None
