@@ -41,24 +41,23 @@ def _positive_float(text: str) -> float:
   return value
 
 
-def _non_negative(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-  return value
+def _not_negative(convert, what: str):
+  """An argparse type: `convert(text)`, refusing values below 0 with "expected {what}"."""
+
+  def parse(text: str):
+    try:
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value >= 0:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+  return parse
 
 
-def _non_negative_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-  if not value >= 0:
-    raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-  return value
+_non_negative = _not_negative(int, "an integer >= 0")
+_non_negative_float = _not_negative(float, "a number >= 0")
 
 
 class _RenamedStore(argparse.Action):
@@ -75,6 +74,17 @@ class _RenamedStore(argparse.Action):
     setattr(namespace, self.dest, values)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each flag's default, unless its help already says what the default does."""
+
+  def _get_help_string(self, action):
+    if "default" in (action.help or ""):
+      return action.help
+    if action.default is None and action.option_strings:
+      return f"{action.help} (default: none)"
+    return super()._get_help_string(action)
+
+
 def _version() -> str:
   import parstrat
 
@@ -82,7 +92,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  defaults = argparse.ArgumentDefaultsHelpFormatter
+  defaults = _HelpFormatter
   parser = argparse.ArgumentParser(
     prog="parstrat",
     description="Parallelism strategies for Haiku models on JAX.",
@@ -143,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
   )
   train.add_argument(
-    "--hidden", type=_positive, nargs="+", default=[512], help="the default MLP's hidden widths"
+    "--hidden", type=_positive, nargs="+", default=[512], help="hidden widths of the built-in MLP"
   )
   train.add_argument(
     "--source",
@@ -156,15 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--data-parallel", "--data", dest="data", action=_RenamedStore, type=_positive,
     default=None, metavar="N", help="data-parallel replicas (mesh axis 'data'; --data is the "
-    "old name)",
+    "old name; default: the strategy's own split)",
   )  # fmt: skip
   train.add_argument(
-    "--stages", type=_positive, default=None, help="pipeline stages (mesh axis 'stage')"
+    "--stages",
+    type=_positive,
+    default=None,
+    help="pipeline stages (mesh axis 'stage'; default: the strategy's own split)",
   )
   train.add_argument(
     "--tensor-parallel", "--model", dest="model", action=_RenamedStore, type=_positive,
     default=None, metavar="N", help="tensor-parallel devices (mesh axis 'model'; --model is "
-    "the old name)",
+    "the old name; default: the strategy's own split)",
   )  # fmt: skip
   train.add_argument(
     "--microbatches", type=_positive, default=None, help="pipeline microbatches (default: stages)"
