@@ -199,6 +199,9 @@ def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
   ]:
     with pytest.raises(config.ConfigError, match=message):
       config.load_object(spec, "--model-fn")
+  (tmp_path / "broken.py").write_text("raise RuntimeError('JAX already started')\n")
+  with pytest.raises(config.ConfigError, match="importing broken.py failed: RuntimeError: JAX"):
+    config.load_object("broken.py:model", "--model-fn")
   (tmp_path / "bad.py").write_text("def model():\n  return 3\n")
   with pytest.raises(config.ConfigError, match="gave int; expected an hk.Transformed"):
     config.load_model("bad:model")

@@ -148,6 +148,27 @@ def _import_file(path: pathlib.Path):
   return module
 
 
+def _import(target: str, flag: str, spec: str):
+  if target.endswith(".py") or "/" in target or "\\" in target:
+    path = pathlib.Path(target)
+    if not path.is_file():
+      raise ConfigError(f"{flag} {spec!r}: no file {target}")
+    return _import_file(path)
+  cwd = str(pathlib.Path.cwd())
+  added = cwd not in sys.path
+  if added:
+    sys.path.insert(0, cwd)
+  try:
+    return importlib.import_module(target)
+  except ModuleNotFoundError as e:
+    if e.name and target.startswith(e.name):
+      raise ConfigError(f"{flag} {spec!r}: no module named {e.name!r}") from None
+    raise
+  finally:
+    if added:
+      sys.path.remove(cwd)
+
+
 def load_object(spec: str, flag: str) -> Any:
   """Loads `package.module:name` or `path/to/file.py:name` (dots in `name` go deeper).
 
@@ -161,33 +182,26 @@ def load_object(spec: str, flag: str) -> Any:
   Returns:
     The object.
 
+  A file given to `parstrat train` should not start JAX's backend when it is
+  imported (e.g. guard `parstrat.testing.use_cpu_devices` under
+  `if __name__ == "__main__":`): the command line has set the devices already.
+
   Raises:
-    ConfigError: naming what is missing.
+    ConfigError: naming what is missing, or why importing it failed.
   """
   target, sep, attr = spec.rpartition(":")
   if not sep or not target or not attr:
     raise ConfigError(
       f"{flag} {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'"
     )
-  if target.endswith(".py") or "/" in target or "\\" in target:
-    path = pathlib.Path(target)
-    if not path.is_file():
-      raise ConfigError(f"{flag} {spec!r}: no file {target}")
-    module = _import_file(path)
-  else:
-    cwd = str(pathlib.Path.cwd())
-    added = cwd not in sys.path
-    if added:
-      sys.path.insert(0, cwd)
-    try:
-      module = importlib.import_module(target)
-    except ModuleNotFoundError as e:
-      if e.name and target.startswith(e.name):
-        raise ConfigError(f"{flag} {spec!r}: no module named {e.name!r}") from None
-      raise
-    finally:
-      if added:
-        sys.path.remove(cwd)
+  try:
+    module = _import(target, flag, spec)
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
+    raise ConfigError(
+      f"{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}"
+    ) from e
   obj = module
   for part in attr.split("."):
     if not hasattr(obj, part):
