@@ -83,7 +83,7 @@ def test_schedule_draws_a_png(tmp_path):
   "args, message",
   [
     (["train", "--strategy", "nope"], "Unknown strategy 'nope'"),
-    (["train", "--devices", "16"], "--devices 16: only 8 devices are available"),
+    (["train", "--devices", "16"], "--devices 16: only 8 cpu devices are available"),
     (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
     (
       ["train", "--strategy", "data_parallel", "--stages", "2"],

@@ -273,3 +273,17 @@ def test_library_messages_name_options_and_the_device_hint():
   hint = r"only 1 are available\. On CPU, make 2 virtual .*parstrat\.testing\.use_cpu_devices\(2\)"
   with pytest.raises(ValueError, match=hint):
     parstrat.build_mesh({"data": 2}, jax.devices()[:1])
+
+
+def test_on_an_accelerator_the_device_hint_points_at_virtual_cpu_devices():
+  import types
+
+  from parstrat._src.messages import TooFewDevicesError
+
+  gpus = [types.SimpleNamespace(platform="gpu")]
+  error = TooFewDevicesError("stage=2", 2, 1, "gpu")
+  assert str(error) == "The mesh stage=2 needs 2 devices, but only 1 are available."
+  assert cli._devices_hint(error, gpus) == (
+    "The mesh stage=2 needs 2 devices, but only 1 are available. To try it on virtual CPU "
+    "devices: JAX_PLATFORMS=cpu parstrat train --devices 2."
+  )

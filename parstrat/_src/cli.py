@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--devices",
     type=_positive,
-    default=DEFAULT_DEVICES,
-    help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
+    default=None,
+    help="devices to use (default: every accelerator; on a CPU-only machine, "
+    f"{DEFAULT_DEVICES} virtual CPU devices, and --devices N makes N)",
   )
   train.add_argument(
     "--hidden", type=_positive, nargs="+", default=[512], help="hidden widths of the built-in MLP"
@@ -333,7 +334,18 @@ def _multi_process(args: argparse.Namespace) -> bool:
   return args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
 
 
-def _devices_hint(e) -> str:
+def _on_cpu(devices) -> bool:
+  return not devices or devices[0].platform == "cpu"
+
+
+def _cpu_hint(needed: int) -> str:
+  """How to get `needed` devices on a machine with fewer accelerators."""
+  return f"to try it on virtual CPU devices: JAX_PLATFORMS=cpu parstrat train --devices {needed}"
+
+
+def _devices_hint(e, devices) -> str:
+  if not _on_cpu(devices):
+    return f"{e.base} T{_cpu_hint(e.needed)[1:]}."
   return f"{e.base} Pass --devices {e.needed} (on CPU, that many virtual devices are made)."
 
 
@@ -358,14 +370,14 @@ def train(args: argparse.Namespace) -> dict:
         args.coordinator,
         args.num_processes,
         args.process_id,
-        local_cpu_devices=args.devices,
+        local_cpu_devices=args.devices or DEFAULT_DEVICES,
         timeout_s=args.join_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
       )
     except ValueError as e:
       raise UsageError(str(e)) from None
   else:
-    _setup_devices(args.devices)
+    _setup_devices(args.devices or DEFAULT_DEVICES)
   import jax
 
   import parstrat
@@ -376,9 +388,12 @@ def train(args: argparse.Namespace) -> dict:
   primary = distributed.is_primary()
   say = print if primary else (lambda *a, **k: None)
   devices = jax.devices()
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 and args.devices is not None:
     if args.devices > len(devices):
-      raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
+      raise UsageError(
+        f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices are "
+        f"available" + ("" if _on_cpu(devices) else f"; {_cpu_hint(args.devices)}")
+      )
     devices = devices[: args.devices]
   names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
   strategies = {}
@@ -392,7 +407,7 @@ def train(args: argparse.Namespace) -> dict:
     except KeyError as e:
       raise UsageError(e.args[0]) from None
     except TooFewDevicesError as e:
-      raise UsageError(_devices_hint(e)) from None
+      raise UsageError(_devices_hint(e, devices)) from None
     except (TypeError, ValueError) as e:
       raise UsageError(str(e)) from None
 
