@@ -78,7 +78,8 @@ out = "{run}"
 """
   )
   monkeypatch.chdir(tmp_path)  # `mymodel:data` is imported from the current directory
-  assert cli.main(["train", "--config", "run.toml", "--epochs", "2"]) == 0  # the flag wins
+  # The flags win over the file; --steps 15 stops one step before the end of epoch 2.
+  assert cli.main(["train", "--config", "run.toml", "--epochs", "2", "--steps", "15"]) == 0
   out = capsys.readouterr().out.splitlines()
   assert "devices: 3 of 8 cpu devices used, 5 idle" in out
   assert "options: schedule=1f1b, microbatches=3 (default: one per stage), non-finite steps " \
@@ -89,32 +90,35 @@ out = "{run}"
   state = next(x for x in out if x.startswith("state per device: params "))
   assert state.startswith("state per device: params 1.06 KiB + optimizer 2.1")
   throughput = next(x for x in out if x.startswith("throughput:"))
-  assert "over the 15 steps after the first" in throughput
+  assert "over the 14 steps after the first" in throughput
   assert throughput.endswith("on 3 of 8 cpu devices")
   assert "mesh: {'data': 1, 'stage': 3}" in out
 
   rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "loss" in r]
-  assert [r["step"] for r in steps] == list(range(2, 17, 2))  # 2 epochs of 8, every 2nd step
+  logged = [2, 4, 6, 8, 10, 12, 14, 15]  # every 2nd step, and the last
+  assert [r["step"] for r in steps] == logged
   board = read_scalars(run)
-  assert [s for s, _ in board["train/loss"]] == list(range(2, 17, 2))
+  assert [s for s, _ in board["train/loss"]] == logged
   np.testing.assert_allclose([v for _, v in board["train/loss"]], [r["loss"] for r in steps],
                              rtol=1e-6)  # fmt: skip
   schedule = optimizers.learning_rate_schedule(0.01, schedule="cosine", warmup_steps=2,
-                                               total_steps=16)  # fmt: skip
+                                               total_steps=15)  # fmt: skip
   np.testing.assert_allclose(
-    [v for _, v in board["train/learning_rate"]], [float(schedule(s - 1)) for s in range(2, 17, 2)],
+    [v for _, v in board["train/learning_rate"]], [float(schedule(s - 1)) for s in logged],
     rtol=1e-5, atol=1e-9,
   )  # fmt: skip
   assert all(v > 0 for _, v in board["train/grad_norm"] + board["train/examples_per_s"])
   assert [v for _, v in board["train/skipped_steps"]] == [0] * 8
-  assert sorted(s for s, _ in board["eval/accuracy"]) == [3, 6, 8, 9, 12, 15, 16]
-  # The epoch loss is the mean over the epoch's steps (here: of the 2-step means).
+  assert [r["examples_per_s"] > 0 for r in steps] == [True] * 8
+  assert sorted(s for s, _ in board["eval/accuracy"]) == [3, 6, 8, 9, 12, 15]
+  # The epoch loss is the mean over the epoch's steps; a row's loss is the mean of its steps.
   epoch_loss = dict(board["train/epoch_loss"])
-  assert epoch_loss[8] == pytest.approx(np.mean([r["loss"] for r in steps[:4]]), rel=1e-5)
-  assert epoch_loss[16] == pytest.approx(np.mean([r["loss"] for r in steps[4:]]), rel=1e-5)
-  assert f"epoch 2: loss {epoch_loss[16]:.4f} (mean of 8 steps)" in " ".join(out)
-  assert epoch_loss[16] < epoch_loss[8]  # it learns
+  losses = [r["loss"] for r in steps]
+  assert epoch_loss[8] == pytest.approx(np.mean(losses[:4]), rel=1e-5)
+  assert epoch_loss[15] == pytest.approx((2 * sum(losses[4:7]) + losses[7]) / 7, rel=1e-5)
+  assert f"epoch 2: loss {epoch_loss[15]:.4f} (mean of 7 steps)" in " ".join(out)
+  assert epoch_loss[15] < epoch_loss[8]  # it learns
 
 
 def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):

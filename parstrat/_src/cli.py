@@ -589,7 +589,27 @@ def _train_one(
             "batch_size": args.batch_size}  # fmt: skip
 
   window: list[float] = []  # finite losses since the last logged row
-  window_seconds = 0.0
+  window_steps, window_seconds = 0, 0.0
+
+  def log(epoch: int, loss: float, metrics: dict) -> None:
+    """One row for the steps since the last: their mean loss and examples/s."""
+    nonlocal window, window_steps, window_seconds
+    row = {
+      "step": step,
+      "epoch": epoch + 1,
+      "loss": float(np.mean(window)) if window else loss,
+      "grad_norm": float(metrics["grad_norm"]),
+      "examples_per_s": window_steps * args.batch_size / window_seconds,
+      "learning_rate": float(lr_schedule(step - 1)),
+      "skipped_steps": len(skipped),
+    }
+    if skipped and skipped[-1] > step - window_steps:
+      row["skipped"] = True
+    record(row)
+    if args.no_progress and args.log_every > 1:
+      say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
+    window, window_steps, window_seconds = [], 0, 0.0
+
   epoch = first_epoch
   batch_in_epoch = skip_batches
   try:
@@ -624,7 +644,7 @@ def _train_one(
         if step > first_step:
           timed_examples += args.batch_size
           timed_seconds += seconds
-        window_seconds += seconds
+        window_steps, window_seconds = window_steps + 1, window_seconds + seconds
         finite = bool(metrics["finite"])
         if not finite:
           if args.stop_on_nonfinite:
@@ -638,22 +658,7 @@ def _train_one(
           epoch_losses.append(loss)
         batch_in_epoch += 1
         if step % args.log_every == 0:
-          logged = args.log_every if step >= args.log_every else step
-          row = {
-            "step": step,
-            "epoch": epoch + 1,
-            "loss": float(np.mean(window)) if window else loss,
-            "grad_norm": float(metrics["grad_norm"]),
-            "examples_per_s": logged * args.batch_size / window_seconds,
-            "learning_rate": float(lr_schedule(step - 1)),
-            "skipped_steps": len(skipped),
-          }
-          if skipped and skipped[-1] > step - logged:
-            row["skipped"] = True
-          record(row)
-          if args.no_progress and args.log_every > 1:
-            say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
-          window, window_seconds = [], 0.0
+          log(epoch, loss, metrics)
         if ckpt is not None:
           ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step)
         if not args.no_progress:
@@ -667,13 +672,18 @@ def _train_one(
         break
       if not (args.eval_every and step % args.eval_every == 0):
         accuracy = evaluate(epoch)
-      mean = f"{np.mean(epoch_losses):.4f}" if epoch_losses else "nan"
-      if board is not None and epoch_losses:
-        board.write(step, {"epoch_loss": float(np.mean(epoch_losses))})
       shown = "" if accuracy is None else f", eval accuracy {accuracy:.4f}"
-      say(f"epoch {epoch + 1}: loss {mean} (mean of {len(epoch_losses)} steps){shown}")
+      if epoch_losses:
+        mean = float(np.mean(epoch_losses))
+        if board is not None:
+          board.write(step, {"epoch_loss": mean})
+        say(f"epoch {epoch + 1}: loss {mean:.4f} (mean of {len(epoch_losses)} steps){shown}")
+      else:
+        say(f"epoch {epoch + 1}: no finite loss (every step was skipped){shown}")
       if args.steps is not None and step >= args.steps:
         break
+    if window_steps:  # the last steps, fewer than --log-every
+      log(epoch, loss, metrics)
     if ckpt is not None:
       ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
