@@ -64,11 +64,11 @@ def options(trainer) -> list[str]:
   if trainer.accumulate > 1:
     shown.append(f"accumulate={trainer.accumulate}")
   strategy = trainer.strategy
-  if getattr(strategy, "schedule", None) is not None and trainer.plan.batch_multiple >= 1:
-    if trainer.mesh.shape.get("stage", 1) > 1:
+  if trainer.mesh.shape.get("stage", 1) > 1:  # a pipeline: its schedule and microbatches
+    if getattr(strategy, "schedule", None) is not None:
       shown.append(f"schedule={strategy.schedule}")
-      default = " (default: one per stage)" if strategy.microbatches is None else ""
-      shown.append(f"microbatches={trainer.plan.batch_multiple}{default}")
+    default = " (default: one per stage)" if getattr(strategy, "microbatches", 0) is None else ""
+    shown.append(f"microbatches={trainer.plan.batch_multiple}{default}")
   if trainer.skip_nonfinite:
     shown.append("non-finite steps skipped")
   return shown
