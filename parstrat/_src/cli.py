@@ -164,22 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     "(tfds when reachable, else the sample)",
   )
   train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
-  train.add_argument(
-    "--data-parallel", "--data", dest="data", action=_RenamedStore, type=_positive,
-    default=None, metavar="N", help="data-parallel replicas (mesh axis 'data'; --data is the "
-    "old name; default: the strategy's own split)",
-  )  # fmt: skip
-  train.add_argument(
-    "--stages",
-    type=_positive,
-    default=None,
-    help="pipeline stages (mesh axis 'stage'; default: the strategy's own split)",
+  mesh_axes = (  # flag, its old name (deprecated), mesh axis, what the size counts
+    ("--data-parallel", "--data", "data", "data-parallel replicas"),
+    ("--stages", None, "stage", "pipeline stages"),
+    ("--tensor-parallel", "--model", "model", "tensor-parallel devices"),
   )
-  train.add_argument(
-    "--tensor-parallel", "--model", dest="model", action=_RenamedStore, type=_positive,
-    default=None, metavar="N", help="tensor-parallel devices (mesh axis 'model'; --model is "
-    "the old name; default: the strategy's own split)",
-  )  # fmt: skip
+  for flag, old, axis, what in mesh_axes:
+    train.add_argument(
+      *([flag, old] if old else [flag]),
+      dest=flag[2:] if old is None else old[2:],
+      action=_RenamedStore,
+      type=_positive,
+      default=None,
+      metavar="N",
+      help=f"{what} (mesh axis '{axis}'; default: the strategy's own split"
+      + (f"; {old} is the old name)" if old else ")"),
+    )
   train.add_argument(
     "--microbatches", type=_positive, default=None, help="pipeline microbatches (default: stages)"
   )
