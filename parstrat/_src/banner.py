@@ -19,8 +19,8 @@ class Layout:
     mesh: axis name -> size.
     param_bytes: parameter bytes on one device (the largest shard set).
     opt_bytes: optimizer-state bytes on one device.
-    batch_split: how many ways the batch's leading axis is split.
-    params_split: whether any parameter is sharded (not replicated).
+    split_axes: the mesh axes that split the batch or at least `MIN_SHARE` of the
+      per-device parameter and optimizer state (a buffer of padding does not count).
   """
 
   used: int
@@ -28,12 +28,15 @@ class Layout:
   mesh: dict[str, int]
   param_bytes: int
   opt_bytes: int
-  batch_split: int
-  params_split: bool
+  split_axes: frozenset[str]
 
   @property
   def idle(self) -> int:
     return self.available - self.used
+
+
+#: The share of the per-device state an axis must split to count as splitting it.
+MIN_SHARE = 0.01
 
 
 def _per_device_bytes(tree: Any) -> int:
@@ -42,17 +45,36 @@ def _per_device_bytes(tree: Any) -> int:
   return sum(leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
+def _spec_axes(spec) -> set[str]:
+  axes = set()
+  for entry in spec or ():
+    if isinstance(entry, str):
+      axes.add(entry)
+    elif isinstance(entry, tuple):
+      axes.update(entry)
+  return axes
+
+
 def layout(trainer, state, available: Sequence[jax.Device]) -> Layout:
   """Reads the `Layout` of an initialised trainer and its state."""
-  params = jax.tree.leaves(state.params)
+  from parstrat._src.auto import _per_device_bytes as leaf_bytes
+
+  leaves = jax.tree.leaves((state.params, state.opt_state))
+  total = sum(leaf_bytes(x) for x in leaves)
+  on_axis: dict[str, int] = {}
+  for x in leaves:
+    if not x.sharding.is_fully_replicated:
+      for axis in _spec_axes(getattr(x.sharding, "spec", None)):
+        on_axis[axis] = on_axis.get(axis, 0) + leaf_bytes(x)
+  split = _spec_axes(trainer.plan.batch_spec)
+  split |= {axis for axis, size in on_axis.items() if size >= MIN_SHARE * total}
   return Layout(
     used=int(trainer.mesh.devices.size),
     available=len(available),
     mesh={str(k): int(v) for k, v in trainer.mesh.shape.items()},
     param_bytes=_per_device_bytes(state.params),
     opt_bytes=_per_device_bytes(state.opt_state),
-    batch_split=trainer._batch_split(),  # noqa: SLF001
-    params_split=any(not x.sharding.is_fully_replicated for x in params),
+    split_axes=frozenset(split),
   )
 
 
@@ -75,18 +97,35 @@ def options(trainer) -> list[str]:
 
 
 def warnings(found: Layout, strategy_name: str) -> list[str]:
-  """Warnings for devices left idle and for a layout that parallelises nothing."""
+  """Warnings for devices left idle and for mesh axes that split nothing.
+
+  Example:
+    >>> found = Layout(used=6, available=8, mesh={"stage": 2, "model": 3}, param_bytes=0,
+    ...                opt_bytes=0, split_axes=frozenset({"stage"}))
+    >>> for line in warnings(found, "hybrid"):
+    ...   print(line)
+    warning: 2 of 8 devices idle: the mesh stage=2 x model=3 uses 6
+    warning: mesh axis 'model' (3 devices) splits (almost) nothing here: the same work on each
+  """
   lines = []
   if found.idle > 0:
     lines.append(
       f"warning: {found.idle} of {found.available} devices idle: the mesh "
       f"{_mesh_text(found.mesh)} uses {found.used}"
     )
-  if found.used > 1 and found.batch_split == 1 and not found.params_split:
+  idle_axes = [a for a, n in found.mesh.items() if n > 1 and a not in found.split_axes]
+  if idle_axes and len(idle_axes) == sum(n > 1 for n in found.mesh.values()):
     lines.append(
-      f"warning: {strategy_name} parallelises nothing here: no parameter is split and the "
-      f"batch is not split, so each of the {found.used} devices repeats the whole step"
+      f"warning: {strategy_name} parallelises (almost) nothing here: no mesh axis splits the "
+      f"batch or {MIN_SHARE:.0%} of the state, so each of the {found.used} devices repeats the "
+      "whole step"
     )
+  else:
+    for axis in idle_axes:
+      lines.append(
+        f"warning: mesh axis '{axis}' ({found.mesh[axis]} devices) splits (almost) nothing "
+        "here: the same work on each"
+      )
   return lines
 
 
