@@ -85,10 +85,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
-def _version() -> str:
-  import parstrat
+class _Version(argparse.Action):
+  """`--version`: imports parstrat (and JAX) only when asked."""
 
-  return f"parstrat {parstrat.__version__}"
+  def __init__(self, option_strings, dest, **kwargs):
+    super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    import parstrat
+
+    print(f"parstrat {parstrat.__version__}")
+    parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     description="Parallelism strategies for Haiku models on JAX.",
     formatter_class=defaults,
   )
-  parser.add_argument("--version", action="version", version=_version())
+  parser.add_argument("--version", action=_Version, help="print the version and exit")
   sub = parser.add_subparsers(dest="command", required=True)
 
   train = sub.add_parser(
