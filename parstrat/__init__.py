@@ -24,6 +24,7 @@ from parstrat._src.strategy import accumulate_gradients
 from parstrat._src.strategy import build_mesh
 from parstrat._src.strategy import softmax_cross_entropy
 from parstrat._src.tensor_parallel import TensorParallel
+from parstrat._src.tensor_split import tensor_split_plan
 
 __version__ = "0.1.0"
 
@@ -51,5 +52,6 @@ __all__ = [
   "pipeline",
   "register",
   "softmax_cross_entropy",
+  "tensor_split_plan",
   "unregister",
 ]

@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import parstrat
 from parstrat._src import auto as auto_lib
+from parstrat._src.sharded_params import global_plan
 from parstrat.testing import ADAM_PARAM_ATOL
 from parstrat.testing import random_batches
 from parstrat.testing import reference_run
@@ -241,3 +243,64 @@ def test_custom_labels_and_models_the_pipeline_cannot_analyse():
   )
   choice = strategy.choose(hk.transform(net), optax.sgd(0.1), np.zeros((8, 4)), loss_fn=mse)
   assert type(choice.strategy) is parstrat.DataParallel
+
+
+def _layer_norm_between_linears(x):
+  x = jax.nn.relu(hk.LayerNorm(-1, True, True)(hk.Linear(32)(x)))
+  x = hk.LayerNorm(-1, True, True)(hk.Linear(32)(x))
+  return hk.Linear(10)(x)
+
+
+def _conv_net(x):
+  x = x.reshape(-1, 8, 8, 1)
+  x = jax.nn.relu(hk.Conv2D(4, 3)(x))
+  return hk.Linear(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("net", [_layer_norm_between_linears, _conv_net], ids=["layernorm", "conv"])
+def test_tensor_that_splits_nothing_pays_full_compute_and_is_never_chosen(net):
+  strategy = parstrat.Auto(
+    devices=jax.devices()[:4], candidates=("data_parallel", "tensor"), verbose=False
+  )
+  measured = strategy.measure(hk.transform(net), optax.sgd(0.1), np.zeros((32, 64), np.float32))
+  c = by_label(measured)
+  tensor, dp = c["tensor [model=4]"], c["data_parallel [data=4]"]
+  # Every device redoes the whole step: 4x data parallelism's compute, and listed as redundant.
+  assert tensor.compute_s == pytest.approx(4 * dp.compute_s)
+  assert tensor.problem == "redundant: 'model' splits no work, so 4 devices redo the same step"
+  choice = auto_lib.rank(measured, None)
+  assert type(choice.strategy) is parstrat.DataParallel
+  assert "redundant" in str(choice)
+
+
+def test_a_custom_strategy_on_its_own_axis_pays_its_gradient_traffic():
+  @parstrat.register("test_auto_replica_axis")
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class ReplicaParallel(parstrat.Strategy):
+    """Data parallelism over an axis named "replica", written as a global plan."""
+
+    replica: int | None = None
+    axis_names = ("replica",)
+    gradient_traffic = (2.0, 1)
+
+    def make_mesh(self):
+      return parstrat.build_mesh({"replica": self.replica}, self.devices)
+
+    def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+      return global_plan(model, loss_fn, P(), P("replica"), "params replicated, batch split")
+
+  try:
+    measured = parstrat.Auto(
+      devices=jax.devices()[:4],
+      candidates=("data_parallel", "test_auto_replica_axis"),
+      verbose=False,
+    ).measure(wide_mlp(), optax.sgd(0.1), np.zeros((BATCH, FEATURES), np.float32))
+  finally:
+    parstrat.unregister("test_auto_replica_axis")
+  c = by_label(measured)
+  custom, dp = c["test_auto_replica_axis [replica=4]"], c["data_parallel [data=4]"]
+  # Its batch axis splits the compute and its gradients cross that axis: not free.
+  assert custom.comm_bytes == pytest.approx(dp.comm_bytes) and custom.comm_bytes > 0
+  assert custom.latency_s == pytest.approx(dp.latency_s) and custom.latency_s > 0
+  assert custom.compute_s == pytest.approx(dp.compute_s)
+  assert custom.problem == ""

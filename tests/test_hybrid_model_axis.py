@@ -80,10 +80,21 @@ def test_each_device_holds_its_stage_and_one_tth_of_each_split_weight():
   )
 
   text = plan.description
-  assert "tensor parallel over model=2" in text
-  assert "stage 0: mlp/~/linear_0: column-parallel; mlp/~/linear_1: row-parallel" in text
-  assert "stage 0: mlp/~/linear_2: replicated (lone layer at the end of the stage)" in text
-  assert "stage 1: mlp/~/linear_3: column-parallel; mlp/~/linear_4: row-parallel" in text
+  assert "tensor-parallel plan over model=2: 2 split group(s)" in text
+  assert (
+    "stage 0: mlp/~/linear_0: column-parallel (split by output features; "
+    "consumed by mlp/~/linear_1)" in text
+  )
+  assert "stage 0: mlp/~/linear_1: row-parallel" in text
+  assert (
+    "stage 0: mlp/~/linear_2: replicated (not split: its group (mlp/~/linear_2, "
+    "mlp/~/linear_3) would straddle stages [0, 1])" in text
+  )
+  assert (
+    "stage 1: mlp/~/linear_3: column-parallel (split by output features; "
+    "consumed by mlp/~/linear_4)" in text
+  )
+  assert "stage 1: mlp/~/linear_4: row-parallel" in text
 
 
 def test_a_width_model_does_not_divide_is_replicated_and_still_trains():
@@ -93,9 +104,12 @@ def test_a_width_model_does_not_divide_is_replicated_and_still_trains():
   images, _ = parstrat.testing.random_batches(1, 16, features=FEATURES)
   trainer.init(jax.random.key(0), images[0][:1])
   text = trainer.plan.description
-  assert "stage 0: mlp/~/linear_0: replicated (its width 21 is not divisible by model=2)" in text
-  assert "stage 0: mlp/~/linear_1: replicated (lone layer at the end of the stage)" in text
-  assert "stage 1: mlp/~/linear_2: column-parallel; mlp/~/linear_3: row-parallel" in text
+  assert "stage 0: mlp/~/linear_0: replicated (its 21 outputs are not divisible by model=2)" in text
+  assert "stage 0: mlp/~/linear_1: replicated (not split: its group" in text
+  assert (
+    "stage 1: mlp/~/linear_2: column-parallel (split by output features; "
+    "consumed by mlp/~/linear_3)" in text
+  )
   parstrat.testing.check_strategy(
     strategy, model, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES
   )

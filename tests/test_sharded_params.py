@@ -61,7 +61,9 @@ def test_tensor_parallel_splits_pairs_and_replicates_a_lone_last_layer():
   assert shapes["mlp/~/linear_0"] == {"w": {(784, 16)}, "b": {(16,)}}  # column-parallel
   assert shapes["mlp/~/linear_1"] == {"w": {(16, 32)}, "b": {(32,)}}  # row-parallel
   assert shapes["mlp/~/linear_2"] == {"w": {(32, 10)}, "b": {(10,)}}  # lone: replicated
-  assert "mlp/~/linear_2: replicated" in trainer.plan.description
+  assert "mlp/~/linear_2: replicated (its 10 outputs are not divisible by model=4)" in (
+    trainer.plan.description
+  )
   parstrat.testing.check_strategy(parstrat.TensorParallel(model=4), model, steps=3, batch=16)
 
 

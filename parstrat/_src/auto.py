@@ -34,6 +34,7 @@ user can change; the ranking depends on their ratios, not on a clock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -44,8 +45,8 @@ import jax
 import numpy as np
 
 from parstrat._src import registry
+from parstrat._src import tensor_split
 from parstrat._src.pipeline import partition as partition_lib
-from parstrat._src.sharded_params import megatron_specs
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import available_devices
@@ -94,10 +95,12 @@ class ModelStats:
     param_bytes: bytes of all parameters.
     flops_per_example: forward FLOPs per example.
     boundary_widths: elements per example crossing each cuttable layer boundary.
-    tensor_pairs: for tensor parallelism, `(input width or 0 for the model's
-      input, output width)` of each column/row pair.
-    tensor_split_flops: forward FLOPs per example of the layers in those pairs
-      (the only ones a "model" axis divides).
+    tensor_pairs: for tensor parallelism, per split group (a column/row pair,
+      or an attention block), the elements per example all-reduced in the
+      backward pass (the gradient of the group's input; 0 for the model's own
+      input) and in the forward pass (the row-parallel output).
+    tensor_split_flops: forward FLOPs per example inside those groups (the
+      only ones a "model" axis divides).
   """
 
   param_bytes: int
@@ -107,45 +110,38 @@ class ModelStats:
   tensor_split_flops: int = 0
 
   @classmethod
-  def of(cls, model, sample_params, sample_inputs: jax.ShapeDtypeStruct) -> ModelStats:
+  def of(
+    cls, model, sample_params, sample_inputs: jax.ShapeDtypeStruct, parts: int = 2
+  ) -> ModelStats:
     """Reads the stats off the model's jaxpr.
 
-    Only the FLOP count is required; the layer analysis (cut widths, tensor
-    pairs) is best effort, as a model the pipeline cannot analyse may still
-    suit other strategies: then those terms are left empty.
+    Only the FLOP count is required; the layer analysis (cut widths) is best
+    effort, as a model the pipeline cannot analyse may still suit other
+    strategies: then those terms are left empty. The tensor-parallel terms
+    come from `tensor_split.analyse` for a "model" axis of `parts`.
     """
     apply = lambda p, x: model.apply(p, None, x)  # noqa: E731
-    trace = partition_lib._trace(apply, sample_params, sample_inputs)  # noqa: SLF001
     batch = max(int(sample_inputs.shape[0]), 1)
-    eqn_flops = [partition_lib._eqn_flops(eqn) for eqn in trace.jaxpr.eqns]  # noqa: SLF001
+    closed = jax.make_jaxpr(apply)(sample_params, sample_inputs)
+    flops = sum(partition_lib._eqn_flops(eqn) for eqn in closed.jaxpr.eqns)  # noqa: SLF001
     leaves = jax.tree.leaves(sample_params)
-    widths, pairs, split_flops = [], [], 0
+    widths = []
     try:
+      trace = partition_lib._trace(apply, sample_params, sample_inputs)  # noqa: SLF001
       analysis = partition_lib._analyse(trace)  # noqa: SLF001
-      order = [trace.layer_names[k] for k in analysis.layer_order]
-      layer_flops = dict.fromkeys(order, 0)
-      for flops, rank in zip(eqn_flops, analysis.eqn_layer, strict=True):
-        layer_flops[order[rank]] += flops
-      for k in range(1, len(order)):
+      for k in range(1, len(analysis.layer_order)):
         cut, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
         if cut is not None:
           widths.append(partition_lib.flat_width(analysis.live[cut][0].aval))
-      _, notes = megatron_specs(sample_params, order, "model", 1)
-      for note in notes:
-        if "column-parallel" in note:
-          first = note.split(":")[0]
-          second = order[order.index(first) + 1]
-          width_in = 0 if order.index(first) == 0 else sample_params[first]["w"].shape[0]
-          pairs.append((width_in, sample_params[second]["w"].shape[1]))
-          split_flops += layer_flops[first] + layer_flops[second]
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-      widths, pairs, split_flops = [], [], 0  # not a stack of layers the analysis follows
+      widths = []  # not a stack of layers the pipeline's analysis follows
+    split = tensor_split.analyse(apply, sample_params, sample_inputs, parts)
     return cls(
       param_bytes=sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves),
-      flops_per_example=sum(eqn_flops) // batch,
+      flops_per_example=flops // batch,
       boundary_widths=tuple(widths),
-      tensor_pairs=tuple(pairs),
-      tensor_split_flops=split_flops // batch,
+      tensor_pairs=tuple(g.reduce_widths[::-1] for g in split.groups),
+      tensor_split_flops=split.split_flops,
     )
 
 
@@ -255,24 +251,39 @@ class CostModel:
     batch: int,
     *,
     reductions: int = 1,
+    batch_axes: Sequence[str] | None = None,
   ) -> dict[str, float]:
     """The cost model's terms (see the module docstring) for `strategy` on `mesh`.
 
     Args:
       strategy: the candidate (read: `gradient_traffic`, `microbatches`).
-      mesh: axis name -> size ("data", "stage", "model"; others are ignored).
+      mesh: axis name -> size. "stage" pipelines and "model" divides the
+        tensor-parallel groups; the axes in `batch_axes` split the batch.
       stats: the model's `ModelStats`.
       batch: the global batch.
-      reductions: how many times per step the gradients cross "data" (k with
-        gradient accumulation on a plan that reduces in every microstep).
+      reductions: how many times per step the gradients cross the batch axes
+        (k with gradient accumulation on a plan that reduces in every microstep).
+      batch_axes: the mesh axes the batch is split over (the plan's
+        `batch_spec`); default: "data" when the mesh has it.
 
     Returns:
-      `{"compute_s", "comm_bytes", "comm_s", "latency_s"}`.
+      `{"compute_s", "comm_bytes", "comm_s", "latency_s", "redundant"}`:
+      `redundant` is the number of devices that redo the same work because
+      an axis divides nothing (1 when every axis divides the step).
     """
-    data, stages, tensor = (mesh.get(a, 1) for a in ("data", "stage", "model"))
+    if batch_axes is None:
+      batch_axes = [a for a in ("data",) if a in mesh]
+    ways = math.prod(mesh.get(a, 1) for a in batch_axes)
+    stages, tensor = mesh.get("stage", 1), mesh.get("model", 1)
     split = stats.tensor_split_flops
-    flops = stats.flops_per_example - split + split / tensor  # only paired layers divide
-    compute = 3 * flops * batch / (data * stages)
+    flops = stats.flops_per_example - split + split / tensor  # only split groups divide
+    compute = 3 * flops * batch / (ways * stages)
+    # Axes that divide no work: every device along them repeats the same step.
+    redundant = math.prod(
+      size
+      for axis, size in mesh.items()
+      if axis not in batch_axes and axis != "stage" and not (axis == "model" and split)
+    )
     collectives = 0.0
     comm = 0.0
     micro = 1
@@ -281,22 +292,23 @@ class CostModel:
       # The bubble, and the engine's recomputed stage forwards in the backward.
       compute *= (micro + stages - 1) / micro * 4 / 3
       width = max(stats.boundary_widths, default=0)
-      comm += 2 * (batch / data) * width * 4
+      comm += 2 * (batch / ways) * width * 4
       collectives += 2 * (micro + stages - 1)
-    if data > 1:
+    if ways > 1:
       traffic, count = strategy.gradient_traffic
-      comm += reductions * traffic * (data - 1) / data * stats.param_bytes / (stages * tensor)
+      comm += reductions * traffic * (ways - 1) / ways * stats.param_bytes / (stages * tensor)
       collectives += reductions * count
     if tensor > 1:
       ring = 2 * (tensor - 1) / tensor
-      for width_in, width_out in stats.tensor_pairs:  # a stage holds about 1/S of the pairs
-        comm += ring * (batch / data) * (width_in + width_out) * 4 / stages
+      for width_in, width_out in stats.tensor_pairs:  # a stage holds about 1/S of the groups
+        comm += ring * (batch / ways) * (width_in + width_out) * 4 / stages
         collectives += (2 if width_in else 1) * micro / stages
     return {
       "compute_s": compute / self.flops_per_second,
       "comm_bytes": comm,
       "comm_s": comm / self.bytes_per_second,
       "latency_s": collectives * self.collective_latency,
+      "redundant": redundant,
     }
 
 
@@ -448,8 +460,9 @@ class Auto(Strategy):
     batch = self.batch_size or int(sample_inputs.shape[0])
     sample = np.zeros((1, *sample_inputs.shape[1:]), sample_inputs.dtype)
     abstract_params = jax.eval_shape(model.init, jax.random.key(0), sample)
-    stats = ModelStats.of(
-      model, abstract_params, jax.ShapeDtypeStruct((batch, *sample.shape[1:]), sample.dtype)
+    batch_inputs = jax.ShapeDtypeStruct((batch, *sample.shape[1:]), sample.dtype)
+    stats_for = functools.cache(
+      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, parts)
     )
     options = dict(
       loss_fn=loss_fn, precision=precision, accumulate=accumulate, skip_nonfinite=skip_nonfinite
@@ -482,15 +495,41 @@ class Auto(Strategy):
           plan = trainer.plan
           reduces_once = plan.manual and plan.reduce is not None
           estimate = self.cost_model.estimate(
-            strategy, mesh, stats, batch, reductions=1 if reduces_once else accumulate
+            strategy,
+            mesh,
+            stats_for(mesh.get("model", 2)),
+            batch,
+            reductions=1 if reduces_once else accumulate,
+            batch_axes=batch_axes(plan.batch_spec),
           )
+          redundant = estimate.pop("redundant")
           time_s = estimate["compute_s"] + estimate["comm_s"] + estimate["latency_s"]
+          problem = ""
+          if redundant > 1:
+            idle = [a for a in mesh if a not in batch_axes(plan.batch_spec) and a != "stage"]
+            problem = (
+              f"redundant: {', '.join(map(repr, idle))} splits no work, so {redundant} "
+              "devices redo the same step"
+            )
           measured.append(
             dataclasses.replace(
-              candidate, peak_bytes=peak, state_bytes=state_bytes, time_s=time_s, **estimate
+              candidate,
+              peak_bytes=peak,
+              state_bytes=state_bytes,
+              time_s=time_s,
+              problem=problem,
+              **estimate,
             )
           )
     return measured
+
+
+def batch_axes(batch_spec) -> tuple[str, ...]:
+  """The mesh axes a plan's `batch_spec` splits the batch's leading axis over."""
+  axes = batch_spec[0] if len(batch_spec) else None
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Choice:
@@ -507,8 +546,10 @@ def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Ch
   def over(c: Candidate) -> bool:
     return budget is not None and c.peak_bytes > budget
 
-  runnable = [c for c in candidates if c.peak_bytes is not None]
+  # A redundant candidate (an axis that divides no work) is listed, never chosen.
+  runnable = [c for c in candidates if c.peak_bytes is not None and not c.problem]
   speed = lambda c: (c.time_s, c.peak_bytes, c.label)  # noqa: E731
+  redundant = sorted((c for c in candidates if c.peak_bytes is not None and c.problem), key=speed)
   fits = sorted((c for c in runnable if not over(c)), key=speed)
   too_big = sorted(
     (
@@ -519,12 +560,14 @@ def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Ch
     key=lambda c: (c.peak_bytes, c.label),
   )
   failed = sorted((c for c in candidates if c.peak_bytes is None), key=lambda c: c.label)
-  table = (*fits, *too_big, *failed)
+  table = (*fits, *too_big, *redundant, *failed)
   if not fits:
     detail = (
       f"the smallest, {too_big[0].label}, needs {format_bytes(too_big[0].peak_bytes)} per device"
       if too_big
       else "no candidate could be built"
+      if not redundant
+      else "every candidate that could be built is redundant"
     )
     raise ValueError(
       f"No strategy fits memory_budget={memory_budget!r} "

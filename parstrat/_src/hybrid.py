@@ -1,6 +1,6 @@
 """Hybrid: pipeline stages on mesh axis "stage" inside data-parallel replicas on "data".
 
-With `model=T > 1`, each stage's linear layers are also split Megatron-style
+With `model=T > 1`, each stage's layers are also split tensor-parallel
 over a third mesh axis, "model".
 """
 
@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
+from parstrat._src import tensor_split
 from parstrat._src.data_parallel import DATA
 from parstrat._src.data_parallel import average_gradients
 from parstrat._src.pipeline import engine
@@ -60,9 +61,10 @@ def make_pipeline_plan(
   runs the pipeline schedule over its block; gradients are then averaged over
   "data" only.
 
-  When `mesh` also has a "model" axis of size T > 1, each stage's linear
-  layers are split over "model" as well, and `_with_model_axis` runs the plan
-  in a map that leaves "model" to the partitioner.
+  When `mesh` also has a "model" axis of size T > 1, each stage's layers are
+  split over "model" as `tensor_split.analyse` says (groups within a stage),
+  and `_with_model_axis` runs the plan in a map that leaves "model" to the
+  partitioner.
   """
   _check_positive("microbatches", microbatches)
   sched = schedule_lib.build_schedule(schedule, stages, microbatches)
@@ -75,10 +77,16 @@ def make_pipeline_plan(
   )
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
   parts = 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
-  notes: list[str] = []
+  notes = ""
   if parts > 1:
-    split_dims, notes = stage_tensor_split(sample_params, stage_plan, parts)
-    layout = engine.SplitLayout.build(sample_params, program.stage_leaves, split_dims, parts, MODEL)
+    stage_of = {
+      stage_plan.layers[k].name: s for s, group in enumerate(stage_plan.stage_layers) for k in group
+    }
+    split = tensor_split.analyse(apply, sample_params, sample_inputs, parts, stage_of=stage_of)
+    notes = split.describe(stage_of)
+    layout = engine.SplitLayout.build(
+      sample_params, program.stage_leaves, split.split_dims, parts, MODEL
+    )
   else:
     layout = engine.FlatLayout.build(sample_params, program.stage_leaves)
 
@@ -120,7 +128,7 @@ def make_pipeline_plan(
     buffers = (
       f"per-device parameter buffers: {layout.split_size:,} split + "
       f"{layout.replicated_size:,} replicated elements (largest stage {max(sizes):,})\n"
-      f"tensor parallel over model={parts}, within each stage:\n" + "\n".join(notes) + "\n"
+      f"{notes}\n"
     )
   else:
     buffers = (
@@ -147,70 +155,6 @@ def make_pipeline_plan(
     description=description,
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan
-
-
-def stage_tensor_split(
-  sample_params: Params, stage_plan: partition_lib.StagePlan, parts: int
-) -> tuple[tuple[int | None, ...], list[str]]:
-  """Which dimension of each parameter leaf is split over "model", stage by stage.
-
-  Within each stage, consecutive pairs of linear layers (`w [in, out]` and an
-  optional `b`) are split as `megatron_specs` splits the whole model: the
-  first column-parallel (`w` and `b` by output), the second row-parallel (`w`
-  by input, `b` whole), so each pair needs one all-reduce over "model" forward
-  and one backward. A pair never straddles a stage cut. A lone layer at the
-  end of a stage, a layer that is not linear, or a pair whose hidden width
-  `parts` does not divide is replicated.
-
-  Returns:
-    (per flattened leaf, the split dimension or None; a line per layer).
-  """
-  with_path, _ = jax.tree_util.tree_flatten_with_path(sample_params)
-  index: dict[str, dict[str, int]] = {}
-  for i, (path, _) in enumerate(with_path):
-    keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
-    index.setdefault(str(keys[0]), {})[str(keys[-1]) if len(keys) == 2 else ""] = i
-  leaves = jax.tree.leaves(sample_params)
-
-  def linear(name: str) -> bool:
-    keys = index.get(name, {})
-    return "w" in keys and set(keys) <= {"w", "b"} and len(leaves[keys["w"]].shape) == 2
-
-  split_dims: list[int | None] = [None] * len(leaves)
-  notes = []
-  for s, group in enumerate(stage_plan.stage_layers):
-    names = [stage_plan.layers[k].name for k in group]
-    i = 0
-    while i < len(names):
-      first = names[i]
-      second = names[i + 1] if i + 1 < len(names) else None
-      if second is None:
-        why = "lone layer at the end of the stage" if linear(first) else "not a linear layer"
-      elif not linear(first):
-        why = "not a linear layer"
-      elif not linear(second):
-        why = f"the next layer {second} is not linear"
-      else:
-        width = leaves[index[first]["w"]].shape[1]
-        rows = leaves[index[second]["w"]].shape[0]
-        why = ""
-        if width % parts:
-          why = f"its width {width} is not divisible by model={parts}"
-        elif rows % parts:
-          why = f"{second} takes {rows} inputs, not divisible by model={parts}"
-      if why:
-        notes.append(f"  stage {s}: {first}: replicated ({why})")
-        i += 1
-        continue
-      split_dims[index[first]["w"]] = 1
-      if "b" in index[first]:
-        split_dims[index[first]["b"]] = 0
-      split_dims[index[second]["w"]] = 0
-      notes.append(
-        f"  stage {s}: {first}: column-parallel; {second}: row-parallel (one all-reduce)"
-      )
-      i += 2
-  return tuple(split_dims), notes
 
 
 def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
@@ -286,17 +230,23 @@ class Hybrid(Strategy):
 
   With `model=T > 1` the mesh gains a third axis, "model" (axes ("data",
   "stage", "model"); with `model=1` it is just ("data", "stage")), and within
-  each stage the linear layers are split Megatron-style over it, as
-  `TensorParallel` splits the whole model::
+  each stage the layers are split over it by the same dataflow analysis as
+  `TensorParallel` (`parstrat._src.tensor_split`): a column-parallel layer is
+  paired with the row-parallel layer that consumes its output (attention by
+  heads), and a pair, or a group such as query/key/value -> output, never
+  straddles a stage cut::
 
-    for each stage s, its layers in order, pairs never crossing a stage cut:
-      layer 2k:   w, b split by output columns      (column-parallel)
-      layer 2k+1: w split by input rows, b whole     (row-parallel; all-reduce over "model")
-      a lone last layer, or a width T does not divide: replicated
+    for each stage s:
+      column-parallel: w, b split by output features  (no communication)
+      row-parallel:    w split by input features, b whole (all-reduce over "model")
+      anything else (not consumed by a linear layer of the same stage through
+      element-wise ops, a width T does not divide, LayerNorm, ...): replicated
 
-  Each device then stores 1/T of every split weight of its stage (plus the
-  stage's replicated leaves); the plan's `description` lists which layers are
-  split.
+  Every group is closed (each value it splits ends in one of its row layers),
+  so the only collectives inside a stage are all-reduces among the T devices
+  of one (data, stage) pair, which all run that stage. Each device then
+  stores 1/T of every split weight of its stage (plus the stage's replicated
+  leaves); the plan's `description` lists what is split and why.
 
   Args:
     data: replicas along "data" (default: the devices left after `stages`).

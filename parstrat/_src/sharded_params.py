@@ -14,7 +14,6 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.strategy import Plan
 
 
@@ -47,55 +46,3 @@ def fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> P:
   spec = [None] * len(shape)
   spec[int(candidates[0])] = axis
   return P(*spec)
-
-
-def layer_order(model, sample_params: Any, sample_inputs: jax.ShapeDtypeStruct) -> list[str]:
-  """The model's layers (top-level param keys) in the order its `apply` uses them."""
-  trace = partition_lib._trace(lambda p, x: model.apply(p, None, x), sample_params, sample_inputs)  # noqa: SLF001
-  analysis = partition_lib._analyse(trace)  # noqa: SLF001
-  return [trace.layer_names[k] for k in analysis.layer_order]
-
-
-def megatron_specs(
-  sample_params: dict, order: list[str], axis: str, size: int
-) -> tuple[dict, list[str]]:
-  """Column- then row-parallel specs for consecutive pairs of linear layers.
-
-  Layer 2k's `w [in, out]` is split by columns and its `b [out]` likewise; layer
-  2k+1's `w [in, out]` is split by rows and its bias kept whole, so each pair
-  needs one all-reduce in the forward pass and one in the backward pass. A lone
-  last layer, a non-linear layer or a width that `size` does not divide is
-  replicated.
-
-  Returns:
-    (specs shaped like `sample_params`, a line per layer saying what was done).
-  """
-  specs = {name: {k: P() for k in leaves} for name, leaves in sample_params.items()}
-  notes = []
-  i = 0
-  while i < len(order):
-    first = order[i]
-    second = order[i + 1] if i + 1 < len(order) else None
-    linear = lambda name: (
-      name is not None
-      and set(sample_params[name]) <= {"w", "b"}
-      and (  # noqa: E731
-        len(sample_params[name]["w"].shape) == 2
-      )
-    )
-    if (
-      second is not None
-      and linear(first)
-      and linear(second)
-      and sample_params[first]["w"].shape[1] % size == 0
-    ):
-      specs[first]["w"] = P(None, axis)
-      if "b" in specs[first]:
-        specs[first]["b"] = P(axis)
-      specs[second]["w"] = P(axis, None)
-      notes.append(f"{first}: column-parallel; {second}: row-parallel (one all-reduce)")
-      i += 2
-    else:
-      notes.append(f"{first}: replicated")
-      i += 1
-  return specs, notes

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from parstrat._src import checks
 from parstrat._src import distributed
 from parstrat._src import messages
+from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
 
 Params = Any  # a pytree in the model's own (Haiku) layout
@@ -523,6 +524,7 @@ class Trainer:
     model = self._plan_model
     abstract_params = jax.eval_shape(model.init, rng, abstract_inputs)
     plan = self.strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
+    optimizer_probe.check_layout(self.optimizer, plan, abstract_params, self.strategy)
     param_shardings = self._shardings(plan.param_spec)
     stored = jax.eval_shape(plan.to_stored, abstract_params)
     opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)

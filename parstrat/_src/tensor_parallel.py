@@ -8,9 +8,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import registry
+from parstrat._src import tensor_split
 from parstrat._src.sharded_params import global_plan
-from parstrat._src.sharded_params import layer_order
-from parstrat._src.sharded_params import megatron_specs
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import build_mesh
@@ -21,14 +20,19 @@ MODEL = "model"
 @registry.register("tensor")
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class TensorParallel(Strategy):
-  """Tensor parallelism over mesh axis "model", on the unmodified Haiku MLP.
+  """Tensor parallelism over mesh axis "model", on the unmodified Haiku model.
 
-  Consecutive pairs of linear layers (in the order `apply` uses them) are split
-  column-parallel then row-parallel: the first layer's weight and bias by
-  output columns, the second's weight by input rows, so the hidden activation
-  between them stays split and each pair needs one all-reduce forward and one
-  backward. A lone last layer is replicated. Each device holds 1/T of every
-  split weight; the batch is replicated over "model".
+  `parstrat._src.tensor_split` reads the model's dataflow: a linear layer
+  whose output is consumed, through element-wise ops only, by another linear
+  layer is split column-parallel (weight and bias by output features) and
+  its consumer row-parallel (weight by input features), so the hidden
+  activation between them stays split and the pair needs one all-reduce
+  forward and one backward. Attention is split by heads: query, key and value
+  column-parallel, the output projection row-parallel, one all-reduce per
+  block. Everything else (a layer followed by LayerNorm, a residual stream, a
+  bias-only layer, a width T does not divide, embeddings, convolutions) is
+  replicated, with the reason in the plan's `description`. Each device holds
+  1/T of every split weight; the batch is replicated over "model".
 
   Args:
     model: devices on the "model" axis (default: all).
@@ -47,7 +51,7 @@ class TensorParallel(Strategy):
     return build_mesh({MODEL: self.model}, self.devices)
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
-    order = layer_order(model, sample_params, sample_inputs)
-    specs, notes = megatron_specs(sample_params, order, MODEL, mesh.shape[MODEL])
-
-    return global_plan(model, loss_fn, specs, P(), "\n".join(notes))
+    split = tensor_split.analyse(
+      lambda p, x: model.apply(p, None, x), sample_params, sample_inputs, mesh.shape[MODEL]
+    )
+    return global_plan(model, loss_fn, split.specs(MODEL), P(), split.describe())

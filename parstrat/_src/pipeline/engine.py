@@ -67,9 +67,13 @@ class FlatLayout:
     for s, group in enumerate(stage_leaves):
       for i in group:
         if i in owner:
+          path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
           raise ValueError(
-            f"Parameter leaf {i} is used by stages {owner[i]} and {s}; "
-            "a pipelined model cannot share weights across stages."
+            f"Parameter {path} is used by stages {owner[i]} and {s}: a pipelined model cannot "
+            "share (tie) a weight across stages, e.g. an output head that reuses the "
+            "embedding (hk.Embed(...).attend). Cut so that every use is in one stage "
+            "(cuts= or stage_boundary markers), untie the weight, or use data_parallel, "
+            "fsdp or tensor."
           )
         owner[i] = s
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
@@ -294,10 +298,24 @@ class StagedModel:
   def num_stages(self) -> int:
     return len(self.program.stage_fns)
 
-  def forward(self, stage: int, row, act, x, y):
+  @property
+  def act_dtype(self):
+    """The dtype activations cross stage boundaries in: the boundary values' own.
+
+    Under mixed precision that is the compute dtype (e.g. bfloat16), not the
+    params' dtype, so the stash and the ppermutes move half the bytes.
+    """
+    between = self.program.boundaries[1:-1] or self.program.boundaries[-1:]
+    return jnp.result_type(*[b.dtype for b in between])
+
+  def output(self, stage: int, row, act, x):
+    """Stage `stage`'s output, unpadded, in its own dtype."""
     program = self.program
     inp = x if stage == 0 else partition_lib.unpad(act, program.boundaries[stage])
-    out = program.stage_fns[stage](self.layout.stage_params(stage, row), inp)
+    return program.stage_fns[stage](self.layout.stage_params(stage, row), inp)
+
+  def forward(self, stage: int, row, act, x, y):
+    out = self.output(stage, row, act, x)
     if stage == self.num_stages - 1:
       loss = self.loss_fn(out, y).astype(jnp.float32)
     else:
@@ -368,7 +386,7 @@ def pipeline_loss_and_grad(
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
   ys = labels.reshape(M, mb, *labels.shape[1:])
-  W, dtype = staged.width, staged.layout.dtype
+  W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
   tables = jnp.asarray(
     np.stack(
@@ -460,15 +478,17 @@ def pipeline_forward(
   P, M = staged.num_stages, microbatches
   mb = inputs.shape[0] // M
   xs = inputs.reshape(M, mb, *inputs.shape[1:])
-  W, dtype = staged.width, staged.layout.dtype
+  W, dtype = staged.width, staged.act_dtype
   stage = lax.axis_index(stage_axis)
-  dummy_y = jnp.zeros((mb,), jnp.int32)
   out_aval = staged.program.boundaries[-1]
+  out_width = partition_lib.flat_width(out_aval)
+  no_act = jnp.zeros((mb, W), dtype)
+  no_out = jnp.zeros((mb, out_width), out_aval.dtype)
 
-  def branch(s):
+  def branch(s):  # (activation sent on, or the model's output on the last stage)
     def run(row, act, x):
-      out, _ = _forward_no_loss(staged, s, row, act, x, dummy_y)
-      return out
+      out = partition_lib.pad_to(staged.output(s, row, act, x), out_width if s == P - 1 else W)
+      return (no_act, out.astype(out_aval.dtype)) if s == P - 1 else (out.astype(dtype), no_out)
 
     return run
 
@@ -477,20 +497,14 @@ def pipeline_forward(
     m = t - stage
     active = (m >= 0) & (m < M)
     x = lax.dynamic_index_in_dim(xs, jnp.clip(m, 0, M - 1), keepdims=False)
-    out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
-    out = jnp.where(active, out, jnp.zeros_like(out))
-    is_last = stage == P - 1
-    outputs = _store(outputs, jnp.where(active & is_last, m, -1), out)
-    return _shift(out, stage_axis, P, +1), outputs
+    send, out = lax.switch(stage, [branch(s) for s in range(P)], row, act, x)
+    send = jnp.where(active, send, jnp.zeros_like(send))
+    outputs = _store(outputs, jnp.where(active & (stage == P - 1), m, -1), out)
+    return _shift(send, stage_axis, P, +1), outputs
 
-  carry = (jnp.zeros((mb, W), dtype), jnp.zeros((M, mb, W), dtype))
+  carry = (no_act, jnp.zeros((M, mb, out_width), out_aval.dtype))
   _, outputs = lax.fori_loop(0, num_total_iterations(P, M), tick, carry)
-  outputs = lax.psum(outputs, stage_axis).reshape(M * mb, W)
+  outputs = lax.psum(outputs, stage_axis).reshape(M * mb, out_width)
   return partition_lib.unpad(
     outputs, jax.ShapeDtypeStruct((M * mb, *out_aval.shape[1:]), out_aval.dtype)
   )
-
-
-def _forward_no_loss(staged: StagedModel, s: int, row, act, x, y):
-  no_loss = dataclasses.replace(staged, loss_fn=lambda out, y: jnp.zeros((), jnp.float32))
-  return no_loss.forward(s, row, act, x, y)

@@ -268,6 +268,13 @@ def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | Non
   after = min(analysis.first_read[layer] for layer in order[k:])
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
+    again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
+    if again != [a]:  # an earlier layer comes back: a shared or tied weight
+      return None, (
+        f"the parameters of {', '.join(map(repr, again))} are used both before and after "
+        f"layer {b!r} (a weight shared or tied across the cut, e.g. an output head that "
+        "reuses the embedding); a pipeline cannot split them"
+      )
     return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})"
   for c in range(after, before, -1):
     if len(analysis.live[c]) == 1:
@@ -373,7 +380,20 @@ def plan_stages(
           f"The stage_boundary marker at equation {m} cannot be cut: "
           f"{len(analysis.live[c])} values cross it (e.g. a skip connection)."
         )
-    starts = [analysis.eqn_layer[c] for c in eqn_cuts]
+    # A stage starts at the first layer read after its marker (the equation
+    # right after a marker may be parameter-free, e.g. an activation).
+    order = analysis.layer_order
+    starts = []
+    for m, c in zip(analysis.markers, eqn_cuts, strict=True):
+      after = [r for r, layer in enumerate(order) if analysis.first_read[layer] >= c]
+      if not after or any(analysis.last_read[layer] >= c for layer in order[: after[0]]):
+        raise ValueError(
+          f"The stage_boundary marker at equation {m} does not fall between layers: "
+          + ("no layer follows it." if not after else "a layer before it is used after it.")
+        )
+      starts.append(after[0])
+    if starts != sorted(set(starts)) or starts[0] == 0:
+      raise ValueError("Every stage_boundary marker needs at least one layer on each side of it.")
     groups = _groups_from_starts(starts, n)
     return StagePlan(layers, groups, tuple(eqn_cuts), "markers")
 

@@ -1,0 +1,177 @@
+"""Reading collectives out of compiled HLO text: which ones sit inside conditional branches.
+
+The pipeline runs each device's stage in a `lax.switch` branch, so a
+collective XLA's partitioner puts inside a branch is only reached by the
+devices that take that branch: those of one (data, stage) pair. A collective
+whose participants reach beyond them waits forever (on CPU the runtime aborts
+after 40 s: "Termination timeout for collective permute"). `branch_problems`
+finds such collectives in `compiled.as_text()`.
+
+Participants are read the way the runtimes rendezvous: each replica group of
+an all-reduce, all-gather, all-to-all or reduce-scatter on its own, and a
+collective-permute as one group of every device named in its pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+from jax.sharding import Mesh
+
+_COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z\-]+)\(")
+_CALLED = re.compile(
+  r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction found inside a conditional branch.
+
+  Attributes:
+    kind: e.g. "all-reduce" or "collective-permute".
+    name: the instruction's name.
+    groups: the device ids (indices into the mesh's devices) that rendezvous
+      together, or None when the text could not be read.
+    line: the instruction's text.
+  """
+
+  kind: str
+  name: str
+  groups: tuple[tuple[int, ...], ...] | None
+  line: str
+
+
+def _iota(text: str) -> np.ndarray | None:
+  """`[4,2]<=[8]` or `[2,4]<=[4,2]T(1,0)` -> the array of device ids."""
+  m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+  if not m:
+    return None
+  shape = [int(x) for x in m.group(1).split(",")]
+  dims = [int(x) for x in m.group(2).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(3):
+    ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+  return ids.reshape(shape)
+
+
+def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...] | None:  # noqa: PLR0911
+  if kind == "collective-permute":
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+    if not m:
+      return None
+    ids = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
+    return (tuple(ids),)
+  m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if m:
+    return tuple(
+      tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+    )
+  m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", line)
+  if m:
+    ids = _iota(m.group(1))
+    return None if ids is None else tuple(tuple(int(x) for x in row) for row in ids)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(([^)]*\)?)\)\s*\{([^}]*)\}", line)
+  if m:
+    sizes = [int(s) for s in re.findall(r"=(\d+)", m.group(1))]
+    names = re.findall(r"'([^']+)'=", m.group(1))
+    ids = _iota(m.group(2))
+    across = re.findall(r"'([^']+)'", m.group(3))
+    if ids is None or ids.size != int(np.prod(sizes)) or not set(across) <= set(names):
+      return None
+    ids = ids.reshape(sizes)
+    moved = [names.index(a) for a in across]
+    kept = [k for k in range(len(names)) if k not in moved]
+    ids = ids.transpose(kept + moved).reshape(-1, int(np.prod([sizes[k] for k in moved])))
+    return tuple(tuple(int(x) for x in row) for row in ids)
+  if "replica_groups={}" in line:
+    return None  # every device: never confined to one branch's devices
+  return None
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  comps: dict[str, list[str]] = {}
+  current = None
+  for line in text.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m and "=" not in line.split("{")[0].split("(")[0]:
+        current = m.group(1)
+        comps[current] = []
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    comps[current].append(line)
+  return comps
+
+
+def branch_collectives(text: str) -> list[Collective]:
+  """Every collective reachable from a `conditional`'s branch computations in HLO `text`."""
+  comps = _computations(text)
+  roots: list[str] = []
+  for lines in comps.values():
+    for line in lines:
+      m = _BRANCHES.search(line)
+      if m:
+        roots += [name.strip().lstrip("%") for name in m.group(1).split(",")]
+      elif " conditional(" in line:
+        roots += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+  seen: set[str] = set()
+  found = []
+  while roots:
+    name = roots.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name]:
+      roots += _CALLED.findall(line)
+      m = _BRANCHES.search(line)
+      if m:
+        roots += [n.strip().lstrip("%") for n in m.group(1).split(",")]
+      m = _INSTRUCTION.match(line)
+      if not m:
+        continue
+      kind = m.group(2)
+      kind = kind.removesuffix("-start")
+      if kind in _COLLECTIVES:
+        found.append(Collective(kind, m.group(1), _groups(line, kind), line.strip()))
+  return found
+
+
+def branch_problems(text: str, mesh: Mesh, vary: tuple[str, ...] = ("model",)) -> list[str]:
+  """The collectives inside conditional branches whose participants differ off `vary`.
+
+  Inside a per-stage branch, only devices that share every mesh coordinate
+  except those along `vary` are sure to run the same branch.
+
+  Args:
+    text: compiled HLO (`trainer.lower(state, batch).compile().as_text()`).
+    mesh: the mesh the program was compiled for (device id i is
+      `mesh.devices.flat[i]`).
+    vary: the axes a branch's collective may span.
+
+  Returns:
+    One line per offending collective (empty when there is none).
+  """
+  shape = mesh.devices.shape
+  fixed = [k for k, name in enumerate(mesh.axis_names) if name not in vary]
+  problems = []
+  for c in branch_collectives(text):
+    if c.groups is None:
+      problems.append(f"{c.kind} {c.name}: its participants could not be read")
+      continue
+    for group in c.groups:
+      coords = {tuple(np.unravel_index(i, shape)[k] for k in fixed) for i in group}
+      if len(coords) > 1:
+        problems.append(
+          f"{c.kind} {c.name} inside a conditional branch spans devices {list(group)}, which "
+          f"differ along {[mesh.axis_names[k] for k in fixed]}"
+        )
+        break
+  return problems

@@ -1,0 +1,669 @@
+"""Which parameters tensor parallelism splits, read off the model's dataflow.
+
+One analysis serves `TensorParallel` and `Hybrid(model>1)`. The model's
+`apply` is traced to a jaxpr (nested `jit` and `custom_jvp` calls inlined) and
+followed value by value:
+
+* A *linear* weight is a 2-D parameter used exactly once, as `x @ w` (the
+  input's last axis against the weight's rows), like `hk.Linear`'s `w`.
+* A linear layer whose output width `T` divides is tried *column-parallel*:
+  its output is split by features. The split is followed forward through
+  element-wise ops (activations, bias adds, which split the bias too, scaling
+  by constants, dropout masks), reshapes that keep the split features
+  leading (`[.., H * D] -> [.., H, D]`: attention heads, when `T` divides
+  `H`), transposes, reductions over other axes (a softmax over keys) and
+  matmuls that keep the split axis as a batch axis (attention scores).
+* The split ends at the linear layer that *consumes* it (`h @ w2`, contracting
+  the split features): that layer is *row-parallel*, and its output needs one
+  all-reduce over "model" (its bias is added after it, whole).
+* Column layers whose splits meet (query, key and value meeting in the
+  scores) form one group with all the row layers that end them. A group is
+  kept only when it is closed: every value it splits ends in one of its row
+  layers. Anything else a split value reaches (a reduction over the split
+  features such as LayerNorm, a residual add with an unsplit value, a
+  permutation of the features, a reshape that mixes them, a model output, a
+  stage cut) drops the group; its layers are then tried again in the next
+  round (the next layer may start a pair of its own).
+
+Everything not in a kept group is replicated, and every parameter carries the
+reason. The partitioner then needs exactly one all-reduce per group forward
+(and one per distinct input of its column layers backward), with no
+all-gather: a group is closed, so no split value meets an unsplit one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex
+from jax.sharding import PartitionSpec as P
+
+_UNARY = frozenset(
+  """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
+  asin acos atan sinh cosh asinh acosh atanh abs sqrt rsqrt cbrt integer_pow square
+  convert_element_type reduce_precision copy copy_p stop_gradient not erf erfc erf_inv lgamma
+  digamma real imag conj population_count clz optimization_barrier""".split()
+)
+_NARY = frozenset(
+  """add add_any sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge
+  select_n clamp shift_left shift_right_logical shift_right_arithmetic""".split()
+)
+_REDUCE = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or".split())
+_ARG_REDUCE = frozenset(("argmax", "argmin"))
+_CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
+_VIEW = frozenset(("convert_element_type", "copy", "copy_p", "reduce_precision"))
+#: Call-like primitives whose body is inlined for the analysis.
+_INLINE = frozenset(
+  "jit pjit closed_call core_call custom_jvp_call custom_vjp_call remat checkpoint".split()
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSplit:
+  """What tensor parallelism does with one parameter leaf.
+
+  Attributes:
+    layer: the leaf's layer (its top-level key, a Haiku module name).
+    name: the leaf's key within the layer (e.g. "w"), "" for a top-level leaf.
+    shape: the leaf's shape.
+    dim: the dimension split over the "model" axis, or None (replicated).
+    reason: why.
+  """
+
+  layer: str
+  name: str
+  shape: tuple[int, ...]
+  dim: int | None
+  reason: str
+
+  @property
+  def path(self) -> str:
+    return f"{self.layer}/{self.name}" if self.name else self.layer
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitGroup:
+  """Column-parallel layers and the row-parallel layers that consume their split.
+
+  Attributes:
+    columns: the column-parallel layers (weights split by output features).
+    rows: the row-parallel layers (weights split by input features); each
+      output is all-reduced once in the forward pass.
+    reduce_widths: elements per example all-reduced forward (the rows'
+      outputs) and backward (the gradients of the columns' distinct inputs,
+      0 for the model's own input, which needs none).
+  """
+
+  columns: tuple[str, ...]
+  rows: tuple[str, ...]
+  reduce_widths: tuple[int, int]
+
+  def __str__(self) -> str:
+    return (
+      f"column-parallel {', '.join(self.columns)} -> row-parallel {', '.join(self.rows)} "
+      f"({len(self.rows)} all-reduce(s) forward)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSplit:
+  """The tensor-parallel plan of a model: per leaf, a split dimension and a reason.
+
+  `str(plan)` lists the groups and every layer with what is done to it.
+
+  Attributes:
+    parts: the size of the "model" axis the plan is for.
+    leaves: one `LeafSplit` per flattened parameter leaf, in tree order.
+    groups: the column/row groups that are split.
+    split_flops: forward FLOPs per example inside the groups (the only ones
+      the "model" axis divides).
+    treedef: the params' tree structure.
+  """
+
+  parts: int
+  leaves: tuple[LeafSplit, ...]
+  groups: tuple[SplitGroup, ...]
+  split_flops: int
+  treedef: Any
+
+  @property
+  def split_dims(self) -> tuple[int | None, ...]:
+    """Per flattened leaf, the split dimension or None."""
+    return tuple(leaf.dim for leaf in self.leaves)
+
+  def specs(self, axis: str) -> Any:
+    """A `PartitionSpec` per leaf (the params' tree), split over `axis`."""
+
+    def spec(leaf: LeafSplit) -> P:
+      if leaf.dim is None:
+        return P()
+      return P(*[axis if d == leaf.dim else None for d in range(len(leaf.shape))])
+
+    return jax.tree.unflatten(self.treedef, [spec(leaf) for leaf in self.leaves])
+
+  def lines(self, stage_of: Mapping[str, int] | None = None) -> list[str]:
+    """One line per layer (or per leaf where a layer's leaves differ).
+
+    With `stage_of` (layer -> pipeline stage), each line starts with the stage.
+    """
+    by_layer: dict[str, list[LeafSplit]] = {}
+    for leaf in self.leaves:
+      by_layer.setdefault(leaf.layer, []).append(leaf)
+    order = sorted(by_layer, key=lambda name: stage_of[name]) if stage_of else list(by_layer)
+    out = []
+    for layer in order:
+      leaves = by_layer[layer]
+      where = f"stage {stage_of[layer]}: " if stage_of else ""
+      reasons = {leaf.reason for leaf in leaves}
+      if len(reasons) == 1:
+        out.append(f"{where}{layer}: {reasons.pop()}")
+      else:
+        out.extend(f"{where}{leaf.path}: {leaf.reason}" for leaf in leaves)
+    return out
+
+  def describe(self, stage_of: Mapping[str, int] | None = None) -> str:
+    """The groups, then a line per layer (see `lines`)."""
+    head = [f"tensor-parallel plan over model={self.parts}: {len(self.groups)} split group(s)"]
+    head += [f"  group {i}: {g}" for i, g in enumerate(self.groups)]
+    return "\n".join(head + [f"  {line}" for line in self.lines(stage_of)])
+
+  def __str__(self) -> str:
+    return self.describe()
+
+
+class _Op:
+  """One equation of the inlined jaxpr."""
+
+  __slots__ = ("prim", "params", "ins", "outs")
+
+  def __init__(self, prim: str, params: Mapping[str, Any], ins: list, outs: list):
+    self.prim, self.params, self.ins, self.outs = prim, params, ins, outs
+
+
+def _is_var(v) -> bool:
+  return not isinstance(v, jex.Literal)
+
+
+def _sub_jaxpr(eqn) -> tuple[Any, list] | None:
+  """(jaxpr, consts) of an inlinable call, or None."""
+  if eqn.primitive.name not in _INLINE:
+    return None
+  for value in eqn.params.values():
+    if isinstance(value, jex.ClosedJaxpr):
+      jaxpr, consts = value.jaxpr, list(value.consts)
+    elif isinstance(value, jex.Jaxpr):
+      jaxpr, consts = value, []
+    else:
+      continue
+    if len(jaxpr.invars) == len(eqn.invars) and len(jaxpr.outvars) == len(eqn.outvars):
+      return jaxpr, consts
+  return None
+
+
+class _Value:
+  """A fresh variable for one inlined call's result (a jaxpr may be called twice)."""
+
+  __slots__ = ("aval",)
+
+  def __init__(self, aval):
+    self.aval = aval
+
+
+def _inline(jaxpr, env: dict, consts: set, ops: list[_Op], top: bool = True) -> None:
+  """Appends `jaxpr`'s equations to `ops`, inlining calls; `env` renames variables."""
+
+  def read(v):
+    return env.get(v, v) if _is_var(v) else v
+
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    sub = _sub_jaxpr(eqn)
+    if sub is None:
+      outs = list(eqn.outvars)
+      if not top:  # a called jaxpr's variables are shared by its calls: rename them
+        outs = [_Value(v.aval) for v in outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+      ops.append(_Op(eqn.primitive.name, eqn.params, ins, outs))
+      continue
+    inner, inner_consts = sub
+    inner_env = dict(zip(inner.invars, ins, strict=True))
+    consts.update(inner.constvars)
+    del inner_consts
+    _inline(inner, inner_env, consts, ops, top=False)
+    for out, inner_out in zip(eqn.outvars, inner.outvars, strict=True):
+      env[out] = inner_env.get(inner_out, inner_out) if _is_var(inner_out) else inner_out
+
+
+class _UnionFind:
+  def __init__(self):
+    self.parent: dict[int, int] = {}
+
+  def find(self, x: int) -> int:
+    self.parent.setdefault(x, x)
+    while self.parent[x] != x:
+      self.parent[x] = self.parent[self.parent[x]]
+      x = self.parent[x]
+    return x
+
+  def union(self, a: int, b: int) -> int:
+    a, b = self.find(a), self.find(b)
+    if a != b:
+      self.parent[max(a, b)] = min(a, b)
+    return min(a, b)
+
+
+@dataclasses.dataclass
+class _Group:
+  columns: set[int] = dataclasses.field(default_factory=set)  # leaf indices
+  rows: set[int] = dataclasses.field(default_factory=set)
+  biases: set[int] = dataclasses.field(default_factory=set)
+  row_out: int = 0
+  column_inputs: dict = dataclasses.field(default_factory=dict)  # var -> elements per example
+  flops: int = 0
+  failure: str = ""
+
+
+def _reshape_split(in_shape, out_shape, d: int, parts: int) -> int | None:
+  """The output axis a split of input axis `d` lands on, if the reshape keeps it whole.
+
+  The features of axis `d` are cut into `parts` contiguous blocks; they stay
+  blocks of one output axis `j` when the axes before `d` and before `j` hold as
+  many elements and `parts` divides `out_shape[j]`.
+  """
+  before = math.prod(in_shape[:d])
+  for j in range(len(out_shape)):
+    if math.prod(out_shape[:j]) == before and out_shape[j] > 1:
+      if out_shape[j] % parts == 0:
+        return j
+      return None
+  return None
+
+
+class _Analysis:
+  """The dataflow state of one round (a fixed set of column candidates)."""
+
+  def __init__(self, ops, kinds, origin, bias_dim, linear, columns, parts, outputs, batch):
+    self.ops, self.kinds, self.origin, self.bias_dim = ops, kinds, origin, bias_dim
+    self.linear, self.columns, self.parts, self.outputs = linear, columns, parts, outputs
+    self.batch = batch
+    self.split: dict[Any, int] = {}  # var -> split axis
+    self.owner: dict[Any, int] = {}  # var -> group id (a column leaf)
+    self.uf = _UnionFind()
+    self.groups: dict[int, _Group] = {}
+    self.used_as_row: set[int] = set()
+
+  def group(self, v) -> _Group:
+    return self.groups[self.uf.find(self.owner[v])]
+
+  def merge(self, vs) -> int:
+    roots = {self.uf.find(self.owner[v]) for v in vs}
+    root = min(roots)
+    for r in roots - {root}:
+      self.uf.union(root, r)
+      g, other = self.groups[root], self.groups.pop(r)
+      g.columns |= other.columns
+      g.rows |= other.rows
+      g.biases |= other.biases
+      g.row_out += other.row_out
+      g.column_inputs.update(other.column_inputs)
+      g.flops += other.flops
+      g.failure = g.failure or other.failure
+    return root
+
+  def fail(self, root: int, why: str) -> None:
+    g = self.groups[root]
+    g.failure = g.failure or why
+
+  def mark(self, out, dim: int, root: int, flops: int = 0) -> None:
+    self.split[out] = dim
+    self.owner[out] = root
+    self.groups[root].flops += flops
+
+  def run(self) -> None:
+    for op in self.ops:
+      start = self.linear.get(id(op))
+      if start is not None and start in self.columns and not self._split(op.ins[0]):
+        out = op.outs[0]
+        g = self.groups.setdefault(start, _Group())
+        g.columns.add(start)
+        x = op.ins[0]
+        g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x)
+        self.mark(out, len(out.aval.shape) - 1, self.uf.find(start), _flops(op))
+        continue
+      split_ins = [v for v in op.ins if self._split(v)]
+      if split_ins:
+        self._follow(op, split_ins)
+    for v in self.outputs:
+      if self._split(v):
+        self.fail(self.uf.find(self.owner[v]), "it is an output of the model")
+
+  def _split(self, v) -> bool:
+    return _is_var(v) and v in self.split
+
+  def _width(self, v) -> int:
+    shape = v.aval.shape
+    return int(np.prod(shape[1:])) if shape and shape[0] == self.batch else int(np.prod(shape))
+
+  def _follow(self, op: _Op, split_ins: list) -> None:  # noqa: PLR0911 - one rule per op
+    reads = {frozenset(self.group(v).column_inputs) for v in split_ins}
+    root = self.merge(split_ins)
+    if len(reads) > 1 and op.prim in _NARY:
+      return self.fail(
+        root,
+        f"`{op.prim}` combines split outputs of layers that read different inputs "
+        "(e.g. a residual connection)",
+      )
+    prim, d = op.prim, self.split[split_ins[0]]
+    out = op.outs[0] if op.outs else None
+    what = f"`{prim}`"
+    if prim in _UNARY:
+      self.mark(out, d, root, _flops(op))
+    elif prim in _NARY:
+      shape = out.aval.shape
+      for v in op.ins:
+        if self._split(v):
+          if self.split[v] != d:
+            return self.fail(root, f"{what} combines values split along different axes")
+          continue
+        if not _is_var(v) or not v.aval.shape or self.kinds.get(v, "const") == "const":
+          continue
+        if self.kinds.get(v) == "param":
+          leaf, dim = self.bias_dim.get(v, (None, None))
+          if leaf is None and v.aval.shape[d] == 1:
+            continue  # broadcast along the split axis: nothing to split
+          if leaf is None:
+            return self.fail(root, f"{what} combines it with a parameter that is not a bias")
+          if dim == d:
+            self.groups[root].biases.add(leaf)
+          continue
+        if v.aval.shape[d] == 1 and shape[d] != 1:
+          continue  # an activation broadcast along the split axis (e.g. a norm's scale)
+        return self.fail(
+          root, f"{what} combines it with an unsplit activation (e.g. a residual connection)"
+        )
+      self.mark(out, d, root, _flops(op))
+    elif prim == "broadcast_in_dim":
+      self.mark(out, op.params["broadcast_dimensions"][d], root)
+    elif prim == "squeeze":
+      dims = op.params["dimensions"]
+      self.mark(out, d - sum(1 for k in dims if k < d), root)
+    elif prim == "transpose":
+      self.mark(out, list(op.params["permutation"]).index(d), root)
+    elif prim == "reshape":
+      j = _reshape_split(op.ins[0].aval.shape, out.aval.shape, d, self.parts)
+      if j is None:
+        return self.fail(
+          root,
+          f"`reshape` {tuple(op.ins[0].aval.shape)} -> {tuple(out.aval.shape)} mixes the split "
+          f"features (e.g. heads not divisible by model={self.parts})",
+        )
+      self.mark(out, j, root)
+    elif prim in _REDUCE or prim in _ARG_REDUCE:
+      axes = op.params["axes"]
+      if d in axes:
+        return self.fail(
+          root, f"{what} reduces over the split features (e.g. LayerNorm or a mean over them)"
+        )
+      self.mark(out, d - sum(1 for k in axes if k < d), root, _flops(op))
+    elif prim in _CUMULATIVE:
+      if op.params["axis"] == d:
+        return self.fail(root, f"{what} runs along the split features")
+      self.mark(out, d, root, _flops(op))
+    elif prim == "dot_general":
+      self._dot(op, root, d)
+    else:
+      self.fail(root, f"it reaches {what}, which tensor parallelism does not split")
+
+  def _dot(self, op: _Op, root: int, d: int) -> None:  # noqa: PLR0911 - one rule per case
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lhs, rhs = op.ins
+    out = op.outs[0]
+    row = self.linear.get(id(op))
+    if self._split(lhs) and not self._split(rhs) and row is not None and tuple(lc) == (d,):
+      g = self.groups[root]
+      g.rows.add(row)
+      g.row_out += self._width(out)
+      g.flops += _flops(op)
+      self.used_as_row.add(row)
+      return None
+    if self._split(lhs) and self._split(rhs):
+      dl, dr = self.split[lhs], self.split[rhs]
+      if dl in lb and dr in rb and list(lb).index(dl) == list(rb).index(dr):
+        return self.mark(out, list(lb).index(dl), root, _flops(op))
+      return self.fail(root, "`dot_general` of two split values does not keep the split axis")
+    side, other, contract, batch = (lhs, rhs, lc, lb) if self._split(lhs) else (rhs, lhs, rc, rb)
+    if d in contract:
+      return self.fail(
+        root,
+        "`dot_general` contracts the split features with something other than a linear "
+        "layer's weight used once (e.g. a tied or shared weight)",
+      )
+    if _is_var(other) and self.kinds.get(other, "const") != "const":
+      return self.fail(root, "`dot_general` multiplies it with an unsplit value")
+    # A free (or batch) axis of one operand against a constant: it stays split.
+    free = [k for k in range(len(side.aval.shape)) if k not in contract and k not in batch]
+    if d in batch:
+      return self.mark(out, list(batch).index(d), root, _flops(op))
+    offset = len(batch) + (0 if side is lhs else len(op.ins[0].aval.shape) - len(lc) - len(lb))
+    return self.mark(out, offset + free.index(d), root, _flops(op))
+
+
+def _flops(op: _Op) -> int:
+  if not op.outs:
+    return 0
+  aval = op.outs[0].aval
+  size = int(np.prod(aval.shape)) if hasattr(aval, "shape") else 1
+  if op.prim == "dot_general":
+    (lc, _), _ = op.params["dimension_numbers"]
+    shape = op.ins[0].aval.shape
+    return 2 * size * int(np.prod([shape[k] for k in lc]))
+  return size
+
+
+def _leaf_names(params: Any) -> list[tuple[str, str]]:
+  out = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    out.append((keys[0] if keys else "", "/".join(keys[1:])))
+  return out
+
+
+def analyse(
+  apply_fn: Callable[[Any, Any], Any],
+  params: Any,
+  inputs: Any,
+  parts: int,
+  *,
+  stage_of: Mapping[str, int] | None = None,
+) -> TensorSplit:
+  """Decides, for every parameter leaf, whether and how it is split `parts` ways.
+
+  See the module docstring for the rules.
+
+  Args:
+    apply_fn: `(params, inputs) -> outputs` (any pytree of outputs).
+    params: the params (arrays or `jax.ShapeDtypeStruct`s).
+    inputs: abstract inputs (a pytree of arrays or `jax.ShapeDtypeStruct`s).
+    parts: the size of the "model" axis.
+    stage_of: for a pipeline, the stage of each layer; a group must lie in one
+      stage (it never straddles a cut).
+
+  Returns:
+    The `TensorSplit`.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp
+    >>> from parstrat._src import tensor_split
+    >>> model = hk.transform(lambda x: hk.nets.MLP([16, 16, 10])(x))
+    >>> x = jnp.zeros((1, 8))
+    >>> params = model.init(jax.random.key(0), x)
+    >>> plan = tensor_split.analyse(lambda p, x: model.apply(p, None, x), params, x, 2)
+    >>> [leaf.dim for leaf in plan.leaves]
+    [0, 1, None, 0, None, None]
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  names = _leaf_names(params)
+  closed = jax.make_jaxpr(lambda leaves, x: apply_fn(jax.tree.unflatten(treedef, leaves), x))(
+    leaves, inputs
+  )
+  jaxpr = closed.jaxpr
+  n = len(leaves)
+  ops: list[_Op] = []
+  env: dict = {}
+  consts: set = set(jaxpr.constvars)
+  _inline(jaxpr, env, consts, ops)
+  outputs = [env.get(v, v) for v in jaxpr.outvars if _is_var(v)]
+  outputs = [v for v in outputs if _is_var(v)]
+  input_vars = jaxpr.invars[n:]
+  batch = input_vars[0].aval.shape[0] if input_vars and input_vars[0].aval.shape else 1
+
+  # What each value is made of: inputs (activations), parameters alone, or constants.
+  kinds: dict[Any, str] = {v: "param" for v in jaxpr.invars[:n]}
+  kinds.update({v: "input" for v in input_vars})
+  origin: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars[:n])}  # a view of leaf i
+  bias_dim: dict[Any, tuple[int, int]] = {}  # broadcast of a 1-D leaf: (leaf, output axis)
+  uses: dict[int, list[_Op]] = {i: [] for i in range(n)}
+  for op in ops:
+    in_kinds = {kinds.get(v, "const") for v in op.ins if _is_var(v)}
+    kind = "act" if in_kinds & {"act", "input"} else "param" if "param" in in_kinds else "const"
+    for v in op.outs:
+      kinds[v] = kind
+    viewed = [origin[v] for v in op.ins if _is_var(v) and v in origin]
+    if op.prim in _VIEW and len(op.ins) == 1 and viewed:
+      origin[op.outs[0]] = viewed[0]
+      continue
+    if op.prim == "broadcast_in_dim" and viewed and len(leaves[viewed[0]].shape) == 1:
+      bias_dim[op.outs[0]] = (viewed[0], op.params["broadcast_dimensions"][0])
+    for i in viewed:
+      uses[i].append(op)
+
+  # Linear weights: 2-D leaves used exactly once, as `x @ w`.
+  linear: dict[int, int] = {}  # id(dot op) -> leaf
+  why_not: dict[int, str] = {}
+  for i, leaf in enumerate(leaves):
+    shape = tuple(leaf.shape)
+    found = uses[i]
+    if len(shape) != 2:
+      kind = "a bias or scale" if len(shape) < 2 else f"a {len(shape)}-D weight"
+      why_not[i] = f"replicated ({kind}, not a linear layer's weight matrix)"
+      continue
+    if len(found) != 1:
+      why_not[i] = f"replicated (used {len(found)} times: a shared or tied weight)"
+      continue
+    (op,) = found
+    if op.prim != "dot_general" or len(op.ins) != 2 or origin.get(op.ins[1]) != i:
+      why_not[i] = f"replicated (used by `{op.prim}`, not as `x @ w`)"
+      continue
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    x = op.ins[0]
+    if lb or rb or tuple(rc) != (0,) or tuple(lc) != (len(x.aval.shape) - 1,):
+      why_not[i] = "replicated (not used as `x @ w` on the input's last axis)"
+      continue
+    linear[id(op)] = i
+
+  columns = {i for i in linear.values() if leaves[i].shape[1] % parts == 0}
+  for i in set(linear.values()) - columns:
+    why_not[i] = f"replicated (its {leaves[i].shape[1]} outputs are not divisible by model={parts})"
+  dropped: dict[int, str] = {}
+  while True:
+    state = _Analysis(ops, kinds, origin, bias_dim, linear, columns, parts, outputs, batch)
+    state.run()
+    bad = {}
+    for root, g in state.groups.items():
+      why = g.failure or ("" if g.rows else "no linear layer consumes its split output")
+      if not why and stage_of is not None:
+        layers = {names[i][0] for i in g.columns | g.rows | g.biases}
+        stages = sorted({stage_of[name] for name in layers})
+        if len(stages) > 1:
+          why = f"its group ({', '.join(sorted(layers))}) would straddle stages {stages}"
+      if why:
+        bad[root] = why
+    if not bad:
+      break
+    for root, why in bad.items():
+      for i in state.groups[root].columns:
+        dropped[i] = why
+      columns -= state.groups[root].columns
+
+  dims: list[int | None] = [None] * n
+  reasons = [""] * n
+  groups = []
+  position = {linear[id(op)]: k for k, op in enumerate(ops) if id(op) in linear}
+  for g in sorted(state.groups.values(), key=lambda g: min(position[i] for i in g.columns)):
+    col_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.columns)))
+    row_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.rows)))
+    partners = ", ".join(row_layers)
+    for i in g.columns | g.biases:
+      dims[i] = 1 if i in g.columns else 0
+      reasons[i] = f"column-parallel (split by output features; consumed by {partners})"
+    for i in g.rows:
+      dims[i] = 0
+    backward = sum(g.column_inputs.values())
+    groups.append(SplitGroup(col_layers, row_layers, (g.row_out, backward)))
+  row_layers = {names[i][0] for g in state.groups.values() for i in g.rows}
+  for i in range(n):
+    layer = names[i][0]
+    if layer in row_layers and (dims[i] == 0 or len(leaves[i].shape) == 1):
+      reasons[i] = "row-parallel (split by input features; output all-reduced over model)"
+    elif dims[i] is not None:
+      continue
+    elif i in dropped:
+      reasons[i] = f"replicated (not split: {dropped[i]})"
+    elif i in linear.values() and i in columns:
+      reasons[i] = "replicated (no linear layer consumes its split output)"
+    else:
+      reasons[i] = why_not.get(i, "replicated (not part of a column/row pair)")
+  # A replicated layer's leaves share its weight matrix's reason.
+  for layer in {name for name, _ in names}:
+    members = [i for i in range(n) if names[i][0] == layer]
+    weights = [i for i in members if len(leaves[i].shape) == 2]
+    if len(weights) == 1 and all(dims[i] is None for i in members):
+      for i in members:
+        reasons[i] = reasons[weights[0]]
+  split_flops = sum(g.flops for g in state.groups.values()) // max(batch, 1)
+  return TensorSplit(
+    parts=parts,
+    leaves=tuple(
+      LeafSplit(names[i][0], names[i][1], tuple(leaves[i].shape), dims[i], reasons[i])
+      for i in range(n)
+    ),
+    groups=tuple(groups),
+    split_flops=int(split_flops),
+    treedef=treedef,
+  )
+
+
+def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> TensorSplit:
+  """The tensor-parallel plan of a Haiku model; `print` it to see what is split and why.
+
+  The same analysis `TensorParallel(model=T)` and `Hybrid(model=T)` use (for
+  `Hybrid`, groups are also kept within a stage).
+
+  Args:
+    model: an `hk.Transformed`.
+    sample_inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
+    model_parallel: the size T of the "model" axis.
+
+  Returns:
+    The `TensorSplit`.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, parstrat
+    >>> def net(x):
+    ...   h = jax.nn.relu(hk.Linear(16, name="up")(x))
+    ...   return hk.Linear(10, name="head")(hk.Linear(8, name="down")(h))
+    >>> print(parstrat.tensor_split_plan(hk.transform(net), jnp.zeros((1, 8)), 2))
+    tensor-parallel plan over model=2: 1 split group(s)
+      group 0: column-parallel up -> row-parallel down (1 all-reduce(s) forward)
+      down: row-parallel (split by input features; output all-reduced over model)
+      head: replicated (not split: it is an output of the model)
+      up: column-parallel (split by output features; consumed by down)
+  """
+  params = jax.eval_shape(model.init, jax.random.key(0), sample_inputs)
+  return analyse(lambda p, x: model.apply(p, None, x), params, sample_inputs, model_parallel)

@@ -1,0 +1,96 @@
+"""Per-leaf optimizer transforms: exact where the model's leaves are kept, refused on flat ones."""
+
+import haiku as hk
+import jax
+import numpy as np
+import optax
+import pytest
+
+import parstrat
+import parstrat.testing
+
+FEATURES = 12
+
+
+def _net(x):
+  x = jax.nn.relu(hk.Linear(16)(x))
+  x = hk.LayerNorm(-1, True, True)(x)
+  x = jax.nn.relu(hk.Linear(16)(x))
+  return hk.Linear(10)(x)
+
+
+MODEL = hk.transform(_net)
+
+
+def _decay_mask(params):
+  """Decay weight matrices only: not biases, not LayerNorm's scale and offset."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def _haiku_name_mask(params):
+  """A name-based mask written the Haiku way: needs the model's module names."""
+  return hk.data_structures.map(lambda module, name, p: name == "w", params)
+
+
+MASKED_ADAMW = optax.adamw(1e-2, weight_decay=0.1, mask=_decay_mask)
+
+PER_LEAF = {
+  "adamw mask": MASKED_ADAMW,
+  "haiku name mask": optax.adamw(1e-2, weight_decay=0.1, mask=_haiku_name_mask),
+  "masked": optax.masked(optax.sgd(0.1), _decay_mask),
+  "multi_transform": optax.multi_transform(
+    {"fast": optax.sgd(0.1), "slow": optax.sgd(0.01)},
+    lambda params: jax.tree.map(lambda p: "fast" if p.ndim > 1 else "slow", params),
+  ),
+  "lamb": optax.lamb(1e-2),
+  "lars": optax.lars(1e-2),
+}
+
+ELEMENT_WISE = {
+  "sgd": optax.sgd(0.1, momentum=0.9),
+  "adam": optax.adam(1e-3),
+  "adamw": optax.adamw(1e-3, weight_decay=0.1),
+  "clip + sgd": optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+  "multisteps": optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+}
+
+FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]
+
+
+def _init(strategy, optimizer):
+  trainer = strategy(MODEL, optimizer)
+  return trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+
+
+@pytest.mark.parametrize("strategy", FLAT, ids=repr)
+@pytest.mark.parametrize("name", sorted(PER_LEAF))
+def test_per_leaf_transforms_are_refused_on_flat_stage_buffers(strategy, name):
+  with pytest.raises(ValueError) as e:
+    _init(strategy, PER_LEAF[name])
+  message = str(e.value)
+  assert message.startswith(f"{strategy!r} stores each pipeline stage's parameters as one flat")
+  assert "not supported on that flat layout: use data_parallel, fsdp or tensor" in message
+
+
+def test_the_haiku_name_mask_failure_is_reported():
+  with pytest.raises(ValueError, match="on the flat layout it fails: "):
+    _init(parstrat.PipelineModelParallel(stages=2), PER_LEAF["haiku name mask"])
+
+
+@pytest.mark.parametrize("strategy", FLAT, ids=repr)
+@pytest.mark.parametrize("name", sorted(ELEMENT_WISE))
+def test_element_wise_optimizers_pass_the_probe(strategy, name):
+  _init(strategy, ELEMENT_WISE[name])
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [parstrat.DataParallel(data=2), parstrat.FSDP(data=2), parstrat.TensorParallel(model=2)],
+  ids=repr,
+)
+def test_a_decay_mask_sees_the_model_layout_and_matches_jit(strategy):
+  # A mask that excludes biases and LayerNorm: these layouts keep the model's
+  # leaves, so it acts exactly as on one device.
+  parstrat.testing.check_strategy(
+    strategy, MODEL, [MASKED_ADAMW], steps=3, batch=8, features=FEATURES, atol=1e-4
+  )

@@ -1,0 +1,43 @@
+"""Pipeline stage boundaries carry activations in their own dtype, not the params'."""
+
+import re
+
+import jax
+import numpy as np
+import optax
+from helpers import mlp
+
+import parstrat
+import parstrat.testing
+from parstrat._src import precision as precision_lib
+
+MODEL = mlp([32, 32, 10])
+FEATURES = 12
+
+
+def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
+  trainer = parstrat.PipelineModelParallel(stages=2)(
+    MODEL, optax.sgd(0.1), precision="mixed_bfloat16"
+  )
+  images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  # The program parstrat builds (XLA's CPU backend later widens bf16 collectives
+  # to f32 itself; accelerators keep them).
+  text = trainer.lower(state, (images[0], labels[0])).as_text()
+  permutes = re.findall(r"collective_permute.*: \(tensor<([^>]*)>\)", text)
+  # The forward activation and the backward cotangent (microbatch 4 x width 32).
+  assert permutes == ["4x32xbf16", "4x32xbf16"], permutes
+  # The stash of activations (1F1B: 2 slots) is bfloat16 as well.
+  assert "tensor<2x4x32xbf16>" in text
+
+
+def test_params_in_bfloat16_with_float32_compute_match_one_device():
+  policy = "params=bfloat16,compute=float32,output=float32"
+  trainer = parstrat.PipelineModelParallel(stages=2)(MODEL, optax.sgd(0.1), precision=policy)
+  images, _ = parstrat.testing.random_batches(1, 8, FEATURES)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  params = trainer.params(state)
+  assert jax.tree.leaves(params)[0].dtype == jax.numpy.bfloat16
+  one_device = precision_lib.with_policy(MODEL, precision_lib.resolve_policy(policy))
+  expected = jax.jit(one_device.apply)(params, None, images[0])
+  np.testing.assert_allclose(trainer.apply(state, images[0]), expected, rtol=1e-6, atol=1e-6)

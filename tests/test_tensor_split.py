@@ -1,0 +1,227 @@
+"""The one tensor-parallel analysis: pairs by dataflow, attention by heads, reasons for the rest.
+
+No model that can deadlock runs in this process: every Hybrid(model>1) step
+program is first compiled and checked for collectives inside the per-stage
+branches (`hlo_check.branch_problems`) before any step runs.
+"""
+
+import re
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from split_models import FEATURES
+from split_models import RESIDUAL_MLP
+from split_models import TRANSFORMER
+
+import parstrat
+import parstrat.testing
+from parstrat import pipeline
+from parstrat._src import hlo_check
+from parstrat._src import tensor_split
+from parstrat._src.pipeline import engine as pipeline_engine
+
+
+def _plan(model, parts=2, features=FEATURES, **kwargs):
+  x = jax.ShapeDtypeStruct((2, features), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  return tensor_split.analyse(lambda p, x: model.apply(p, None, x), params, x, parts, **kwargs)
+
+
+def _reasons(plan):
+  return {leaf.path: leaf.reason for leaf in plan.leaves}
+
+
+def _dims(plan):
+  return {leaf.path: leaf.dim for leaf in plan.leaves}
+
+
+def test_residual_blocks_pair_their_own_linears_not_the_stream():
+  plan = _plan(RESIDUAL_MLP)
+  # Haiku names the outer Linear(16) of a block before the inner Linear(32) it calls first.
+  assert [(g.columns, g.rows) for g in plan.groups] == [
+    (("linear_2",), ("linear_1",)),
+    (("linear_4",), ("linear_3",)),
+  ]
+  dims = _dims(plan)
+  assert dims["linear_2/w"] == 1 and dims["linear_2/b"] == 0
+  assert dims["linear_1/w"] == 0 and dims["linear_1/b"] is None
+  assert "residual connection" in _reasons(plan)["linear/w"]
+  assert dims["linear/w"] is None and dims["linear_5/w"] is None
+
+
+def test_attention_is_split_by_heads_and_layer_norms_stop_a_pair():
+  plan = _plan(TRANSFORMER)
+  attention = "multi_head_attention"
+  assert [(set(g.columns), g.rows) for g in plan.groups] == [
+    ({f"{attention}/query", f"{attention}/key", f"{attention}/value"}, (f"{attention}/linear",)),
+    ({"linear_2"}, ("linear_1",)),
+  ]
+  dims, reasons = _dims(plan), _reasons(plan)
+  for name in ("query", "key", "value"):
+    assert dims[f"{attention}/{name}/w"] == 1
+  assert dims[f"{attention}/linear/w"] == 0
+  # The embedding-like first Linear feeds a LayerNorm: it reduces over the features.
+  assert "reduces over the split features (e.g. LayerNorm" in reasons["linear/w"]
+  assert reasons["layer_norm/scale"].startswith("replicated")
+  text = str(plan)
+  assert "tensor-parallel plan over model=2: 2 split group(s)" in text
+  assert f"{attention}/linear: row-parallel" in text
+  # 3 heads of 4 do not divide over 8: attention stays whole, with the reason.
+  assert (
+    "heads not divisible by model=8"
+    in _reasons(_plan(TRANSFORMER, parts=8))[f"{attention}/query/w"]
+  )
+
+
+def _permuted_by_index(x):
+  h = jax.nn.relu(hk.Linear(16)(x))
+  return hk.Linear(10)(h[:, np.random.default_rng(0).permutation(16)])
+
+
+def _permuted_by_reshape(x):
+  h = jax.nn.relu(hk.Linear(16)(x))
+  return hk.Linear(10)(h.reshape(-1, 4, 4).transpose(0, 2, 1).reshape(-1, 16))
+
+
+def _bias_layer_and_odd_widths(x):
+  h = jax.nn.relu(hk.Linear(15)(x))  # 15 outputs: not divisible by 2
+  y = jax.nn.relu(hk.Bias()(hk.Linear(16, with_bias=False)(h)))  # hk.Bias: no "w"
+  return hk.Linear(10)(y), h  # a tuple of outputs
+
+
+@pytest.mark.parametrize(
+  "net, why",
+  [
+    (_permuted_by_index, "it reaches `gather`"),
+    (_permuted_by_reshape, "`reshape` (2, 4, 4) -> (2, 16) mixes the split features"),
+  ],
+)
+def test_a_permutation_of_the_hidden_features_is_not_paired(net, why):
+  plan = _plan(hk.transform(net))
+  assert plan.groups == ()
+  assert why in _reasons(plan)["linear/w"]
+
+
+def test_bias_only_layers_odd_widths_and_tuple_outputs():
+  model = hk.transform(_bias_layer_and_odd_widths)
+  plan = _plan(model)
+  dims, reasons = _dims(plan), _reasons(plan)
+  assert [(g.columns, g.rows) for g in plan.groups] == [(("linear_1",), ("linear_2",))]
+  assert dims["bias/b"] == 0  # the bias-only layer is split with the column it follows
+  assert reasons["linear/w"] == "replicated (its 15 outputs are not divisible by model=2)"
+  # The tensor strategy takes the model (a tuple of outputs) and lays it out.
+  trainer = parstrat.TensorParallel(model=2)(
+    model, optax.sgd(0.1), loss_fn=lambda outputs, labels: outputs[0].mean()
+  )
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  assert state.params["bias"]["b"].sharding.spec == jax.sharding.PartitionSpec("model")
+  assert "linear: replicated (its 15 outputs" in trainer.plan.description
+
+
+def test_tensor_parallel_transformer_matches_jit_with_one_all_reduce_per_group():
+  strategy = parstrat.TensorParallel(model=2)
+  parstrat.testing.check_strategy(strategy, TRANSFORMER, steps=3, batch=8, features=FEATURES)
+  trainer = strategy(TRANSFORMER, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  collectives = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute)\(", text)
+  forward = [
+    line for line in text.splitlines() if " all-reduce(" in line and "transpose(" not in line
+  ]
+  assert "all-gather" not in collectives and "collective-permute" not in collectives
+  # One all-reduce forward per group (attention block, MLP pair); at most one more backward.
+  assert len(forward) == 2
+  assert collectives.count("all-reduce") <= 4
+
+
+@pytest.mark.parametrize("model", [RESIDUAL_MLP, TRANSFORMER], ids=["residual_mlp", "transformer"])
+def test_hybrid_2x2x2_keeps_collectives_out_of_stage_branches_and_matches_jit(model):
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2)
+  trainer = strategy(model, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  inside = hlo_check.branch_collectives(text)
+  assert {c.kind for c in inside} == {"all-reduce"}  # the split groups' all-reduces
+  assert hlo_check.branch_problems(text, trainer.mesh) == []  # only now is stepping safe
+  assert "2 split group(s)" in trainer.plan.description
+  parstrat.testing.check_strategy(strategy, model, steps=3, batch=16, features=FEATURES)
+
+
+def test_hybrid_groups_never_straddle_a_stage_cut():
+  stage_of = {"linear": 0, "linear_2": 0, "linear_1": 1, "linear_4": 1, "linear_3": 1}
+  stage_of["linear_5"] = 1
+  plan = _plan(RESIDUAL_MLP, stage_of=stage_of)
+  assert [(g.columns, g.rows) for g in plan.groups] == [(("linear_4",), ("linear_3",))]
+  assert "would straddle stages [0, 1]" in _reasons(plan)["linear_2/w"]
+
+
+def test_branch_problems_reads_collective_permutes_and_replica_groups():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "stage", "model"))
+  text = """HloModule m
+
+%branch (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %ok = f32[4]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %bad = f32[4]{0} collective-permute(%ok), channel_id=2, source_target_pairs={{0,1},{2,3}}
+  ROOT %across = f32[4]{0} all-reduce(%bad), channel_id=3, replica_groups={{0,4},{1,5}}
+}
+
+ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %outside = f32[4]{0} all-reduce(%x), channel_id=4, replica_groups={{0,2}}, to_apply=%add
+  ROOT %c = f32[4]{0} conditional(%i, %outside), branch_computations={%branch}
+}
+"""
+  found = hlo_check.branch_collectives(text)
+  assert [(c.kind, c.name) for c in found] == [
+    ("all-reduce", "ok"),
+    ("collective-permute", "bad"),
+    ("all-reduce", "across"),
+  ]
+  assert found[1].groups == ((0, 1, 2, 3),)  # one rendezvous of every device in its pairs
+  problems = hlo_check.branch_problems(text, mesh)
+  assert len(problems) == 2
+  assert problems[0].startswith("collective-permute bad") and "['data', 'stage']" in problems[0]
+  assert problems[1].startswith("all-reduce across")
+
+
+def test_a_marker_followed_by_a_parameter_free_op_cuts_before_the_next_layer():
+  def net(x):
+    x = jax.nn.swish(hk.Linear(16)(x))
+    x = jax.nn.swish(hk.Linear(16)(x))
+    x = pipeline.stage_boundary(x)
+    return hk.Linear(10)(jax.nn.relu(x))
+
+  model = hk.transform(net)
+  x = jax.ShapeDtypeStruct((1, FEATURES), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  plan = pipeline.plan_stages(lambda p, x: model.apply(p, None, x), params, x, 2)
+  assert plan.stage_layers == ((0, 1), (2,))
+
+
+def test_weights_tied_across_stages_are_refused_naming_the_parameter():
+  def lm(tokens):
+    embed = hk.Embed(20, 8)
+    h = embed(tokens.astype(jnp.int32))
+    h = jax.nn.relu(hk.Linear(8)(h))
+    h = jax.nn.relu(hk.Linear(8)(h))
+    return h @ embed.embeddings.T  # the head reuses the embedding matrix
+
+  trainer = parstrat.PipelineModelParallel(stages=2, cuts=(2,))(
+    hk.transform(lm), optax.sgd(0.1), loss_fn=lambda logits, labels: logits.mean()
+  )
+  with pytest.raises(ValueError, match=r"Cannot cut before layer 2: the parameters of 'embed' "):
+    trainer.init_abstract(jax.random.key(0), np.zeros((1, 4), np.float32))
+  # Where a cut exists, the layout names the tied parameter and the stages that use it.
+  tied = {"embed": {"embeddings": jnp.zeros((3,))}}
+  with pytest.raises(
+    ValueError, match=r"Parameter \['embed'\]\['embeddings'\] is used by stages 0 and 1"
+  ):
+    pipeline_engine.FlatLayout.build(tied, ((0,), (0,)))
