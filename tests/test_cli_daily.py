@@ -188,8 +188,16 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys
 def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
   (tmp_path / "mymodel.py").write_text(USER_FILE)
   monkeypatch.chdir(tmp_path)
-  model, loss_fn = config.load_model("mymodel:model")
-  assert callable(model.init) and callable(loss_fn)
+  model, options = config.load_model("mymodel:model")
+  assert callable(model.init) and list(options) == ["loss_fn"] and callable(options["loss_fn"])
+  (tmp_path / "as_dict.py").write_text(
+    "from mymodel import model as pair\n"
+    "def model(seed):\n"
+    "  net, loss = pair()\n"
+    "  return {'model': net, 'loss_fn': loss, 'seed_seen': seed}\n"
+  )
+  model, options = config.load_model("as_dict:model", seed=7)  # gets the seed it names
+  assert callable(model.apply) and options["seed_seen"] == 7 and callable(options["loss_fn"])
   fn = config.load_object(str(tmp_path / "mymodel.py") + ":data", "--dataset")
   train, evaluation = fn(batch_size=4, seed=0)
   assert len(train) == 8 and train[0][0].shape == (4, 12)

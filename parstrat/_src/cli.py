@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     "--model-fn",
     default=None,
     help="your model: 'package.module:function' or 'path/file.py:function' returning an "
-    "hk.Transformed, or (hk.Transformed, loss_fn); default: an MLP of --hidden widths",
+    "hk.Transformed, (hk.Transformed, loss_fn) or {\"model\": ..., **trainer options}; "
+    "default: an MLP of --hidden widths",
   )
   train.add_argument(
     "--dataset",
@@ -428,9 +429,9 @@ def train(args: argparse.Namespace) -> dict:
       log=say,
     )
     if args.model_fn is None:
-      model, loss_fn = _default_model(args.hidden, data.num_classes or 10), None
+      model, model_options = _default_model(args.hidden, data.num_classes or 10), {}
     else:
-      model, loss_fn = config.load_model(args.model_fn, seed=args.seed)
+      model, model_options = config.load_model(args.model_fn, seed=args.seed)
   except ValueError as e:  # ConfigError is a ValueError
     raise UsageError(str(e)) from None
   say(f"data: {data.description}")
@@ -449,7 +450,7 @@ def train(args: argparse.Namespace) -> dict:
         metrics_path = run_dir / "metrics.jsonl"
     runs[name] = _train_one(
       args, strategy, model, data, metrics_path if primary else None, say,
-      loss_fn=loss_fn, devices=devices, log_dir=run_dir if primary else None,
+      model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
     )  # fmt: skip
   if out is not None and primary:
     from parstrat._src import report
@@ -503,7 +504,8 @@ def _optimizer(args, data):
 
 
 def _train_one(
-  args, strategy, model, data, metrics_path, say, *, loss_fn=None, devices=(), log_dir=None
+  args, strategy, model, data, metrics_path, say, *, model_options=None, devices=(),
+  log_dir=None,
 ) -> dict:
   """Trains one strategy; writes metrics every --log-every steps and each eval."""
   import jax
@@ -519,12 +521,13 @@ def _train_one(
     trainer = strategy(
       model,
       optimizer,
-      loss_fn=loss_fn,
+      **(model_options or {}),
       skip_nonfinite=not args.stop_on_nonfinite,
       precision=args.precision,
       accumulate=args.accumulate,
     )
-    state = trainer.init(jax.random.key(args.seed), data.sample_inputs)
+    sample = data.sample_inputs((model_options or {}).get("model_inputs"))
+    state = trainer.init(jax.random.key(args.seed), sample)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
   try:

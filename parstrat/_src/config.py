@@ -224,12 +224,18 @@ def call_with_known(fn, **kwargs) -> Any:
   return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
-def load_model(spec: str, **kwargs) -> tuple[Any, Any]:
-  """The user's model from `--model-fn`: `(hk.Transformed, loss_fn or None)`.
+def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
+  """The user's model from `--model-fn`: `(hk.Transformed, options for the trainer)`.
 
-  The entry point is a function returning an `hk.Transformed`, or a pair
-  `(hk.Transformed, loss_fn)`; it may itself be the `hk.Transformed`. The
-  function is called with those of `kwargs` (e.g. `seed`) that it names.
+  The entry point is a function returning an `hk.Transformed`, a pair
+  `(hk.Transformed, loss_fn)`, or a dict `{"model": hk.Transformed, ...}`
+  whose other keys are keyword arguments of the trainer (`strategy(model,
+  optimizer, **options)`, e.g. `loss_fn`); it may itself be the
+  `hk.Transformed`. The function is called with those of `kwargs` (e.g.
+  `seed`) that it names.
+
+  Returns:
+    `(model, options)`; `options` is `{}` or holds `loss_fn` and the rest.
 
   Raises:
     ConfigError: if it returns something else.
@@ -237,14 +243,19 @@ def load_model(spec: str, **kwargs) -> tuple[Any, Any]:
   obj = load_object(spec, "--model-fn")
   is_model = lambda m: callable(getattr(m, "init", None)) and callable(getattr(m, "apply", None))  # noqa: E731
   result = obj if is_model(obj) else call_with_known(obj, **kwargs) if callable(obj) else obj
-  loss_fn = None
+  options: dict[str, Any] = {}
   if isinstance(result, tuple) and len(result) == 2 and is_model(result[0]):
-    result, loss_fn = result
-    if not callable(loss_fn):
-      raise ConfigError(f"--model-fn {spec!r}: the loss it returned is not callable: {loss_fn!r}")
+    result, options = result[0], {"loss_fn": result[1]}
+  elif isinstance(result, dict) and "model" in result:
+    options = {k: v for k, v in result.items() if k != "model"}
+    result = result["model"]
+  if options.get("loss_fn") is not None and not callable(options["loss_fn"]):
+    raise ConfigError(
+      f"--model-fn {spec!r}: the loss it returned is not callable: {options['loss_fn']!r}"
+    )
   if not is_model(result):
     raise ConfigError(
       f"--model-fn {spec!r} gave {type(result).__name__}; expected an hk.Transformed "
-      "(from hk.transform) or a pair (hk.Transformed, loss_fn)"
+      "(from hk.transform), a pair (hk.Transformed, loss_fn) or a dict with a 'model'"
     )
-  return result, loss_fn
+  return result, options

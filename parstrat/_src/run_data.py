@@ -31,7 +31,7 @@ class RunData:
     train_epoch: epoch -> iterable of global batches (each passed to `trainer.step`).
     steps_per_epoch: batches per epoch, or None when the source has no length.
     eval_batches: () -> iterable of eval batches (any size), or None for no eval.
-    sample_inputs: the inputs of one example (leading axis 1), for `trainer.init`.
+    example: one example of a batch (every leaf with leading axis 1).
     num_classes: the label count when known (the default MLP's output width).
   """
 
@@ -39,8 +39,13 @@ class RunData:
   train_epoch: Callable[[int], Iterable[Any]]
   steps_per_epoch: int | None
   eval_batches: Callable[[], Iterable[Any]] | None
-  sample_inputs: Any
+  example: Any
   num_classes: int | None = None
+
+  def sample_inputs(self, model_inputs: Callable[[Any], Any] | None = None) -> Any:
+    """The model inputs of `example`, for `trainer.init`: `model_inputs(example)` when
+    the trainer takes such a function, else the first of an `(inputs, labels)` pair."""
+    return inputs_of(self.example) if model_inputs is None else model_inputs(self.example)
 
 
 def inputs_of(batch: Any) -> Any:
@@ -51,7 +56,7 @@ def inputs_of(batch: Any) -> Any:
 def _first_example(batch: Any) -> Any:
   import jax
 
-  return jax.tree.map(lambda x: np.asarray(x)[:1], inputs_of(batch))
+  return jax.tree.map(lambda x: np.asarray(x)[:1], batch)
 
 
 def mnist(source: str, *, data_dir: str | None, batch_size: int, seed: int, log=print) -> RunData:
@@ -72,7 +77,7 @@ def mnist(source: str, *, data_dir: str | None, batch_size: int, seed: int, log=
     ),
     steps_per_epoch=len(data.train_labels) // batch_size,
     eval_batches=lambda: [(data.eval_images, data.eval_labels)],
-    sample_inputs=data.train_images[:1],
+    example=(data.train_images[:1], data.train_labels[:1]),
     num_classes=10,
   )
 
@@ -136,7 +141,7 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
     train_epoch=train_epoch,
     steps_per_epoch=len(train) // batch_size,
     eval_batches=eval_batches if evaluation is not None else None,
-    sample_inputs=_tfds_pairs([train[0]], keys)[0],
+    example=_tfds_pairs([train[0]], keys),
     num_classes=classes,
   )
 
@@ -188,7 +193,7 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     train_epoch=train_epoch,
     steps_per_epoch=length() if length is not None else None,
     eval_batches=(lambda: evaluation) if evaluation is not None else None,
-    sample_inputs=_first_example(first),
+    example=_first_example(first),
   )
 
 
