@@ -214,14 +214,22 @@ def load_object(spec: str, flag: str) -> Any:
 
 
 def call_with_known(fn, **kwargs) -> Any:
-  """Calls `fn` with those of `kwargs` that its signature names (all of them for `**kw`)."""
+  """Calls `fn` with those of `kwargs` that its signature names (a `**kw` catch-all gets none).
+
+  Example:
+    >>> call_with_known(lambda batch_size, **config: (batch_size, config), batch_size=8, seed=0)
+    (8, {})
+  """
   try:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):
     return fn()
-  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-    return fn(**kwargs)
-  return fn(**{k: v for k, v in kwargs.items() if k in params})
+  named = {
+    name
+    for name, p in params.items()
+    if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  }
+  return fn(**{k: v for k, v in kwargs.items() if k in named})
 
 
 def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
