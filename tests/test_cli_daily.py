@@ -93,6 +93,9 @@ out = "{run}"
   assert "over the 14 steps after the first" in throughput
   assert throughput.endswith("on 3 of 8 cpu devices")
   assert "mesh: {'data': 1, 'stage': 3}" in out
+  assert [x.split(":")[0] for x in out if "eval accuracy" in x and x.startswith("step")] == [
+    "step 3", "step 6", "step 9", "step 12", "step 15"
+  ]  # --eval-every 3, printed with --no-progress
 
   rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "loss" in r]

@@ -675,6 +675,8 @@ def _train_one(
           bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if args.eval_every and step % args.eval_every == 0:
           accuracy = evaluate(epoch)
+          if args.no_progress and accuracy is not None:
+            say(f"step {step}: eval accuracy {accuracy:.4f}")
         if args.steps is not None and step >= args.steps:
           break
       if step == epoch_start_step:  # e.g. a generator, exhausted by the previous epoch
