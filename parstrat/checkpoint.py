@@ -1,5 +1,7 @@
 """Checkpoints (orbax) that survive crashes and move between strategies."""
 
 from parstrat._src.checkpoint import Checkpointer
+from parstrat._src.checkpoint import CheckpointError
+from parstrat._src.checkpoint import CheckpointWarning
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer"]

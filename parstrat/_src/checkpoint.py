@@ -1,15 +1,40 @@
-"""Checkpoints with orbax: the whole training state, in the model's own layout."""
+"""Checkpoints with orbax: the whole training state, in the model's own layout.
+
+Each checkpoint also gets a manifest (`parstrat_manifest.json`, written
+atomically once orbax has finished) with the size and SHA-256 of every file, so
+a damaged checkpoint is found before it is restored, and the newest intact one
+is used instead.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
+import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from parstrat._src import files
+from parstrat._src import trees
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
+
+MANIFEST = "parstrat_manifest.json"
+
+
+class CheckpointWarning(UserWarning):
+  """A checkpoint was skipped (damaged or unreadable) or restored without a manifest."""
+
+
+class CheckpointError(Exception):
+  """No checkpoint could be restored: every one is damaged or unreadable."""
+
+
+class _DoesNotFit(ValueError):
+  """The saved tree differs from the trainer's (raised before orbax reads an array)."""
 
 
 class Checkpointer:
@@ -22,6 +47,14 @@ class Checkpointer:
   under any other, and a user can read it with plain orbax. Orbax writes each
   checkpoint into a temporary directory and renames it when complete, so a
   process killed in the middle of a save leaves the previous checkpoint intact.
+
+  Integrity: after orbax finishes, a manifest with the size and SHA-256 of
+  every file of the checkpoint is written next to it (atomically). `restore`
+  checks it first; a checkpoint whose files differ, or that orbax cannot read,
+  is skipped with one `CheckpointWarning` line and the newest intact one is
+  restored instead. Before orbax reads any array, the saved tree (orbax's own
+  metadata: every leaf's shape) is compared with the trainer's, and a model
+  that does not fit is a `ValueError` naming the first leaf that differs.
 
   Args:
     directory: where the checkpoints live (created if missing).
@@ -48,6 +81,7 @@ class Checkpointer:
     self.save_every = save_every
     self._manager = ocp.CheckpointManager(
       self.directory,
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
       options=ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         enable_async_checkpointing=False,
@@ -70,6 +104,10 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
+
+  def delete(self, step: int) -> None:
+    """Removes checkpoint `step` (and its manifest)."""
+    self._manager.delete(step)
 
   def save(
     self,
@@ -96,39 +134,126 @@ class Checkpointer:
     if not force and step % self.save_every:
       return False
     if step in self._manager.all_steps():
-      return False
+      if self.verify(step) is None:
+        return False
+      self._manager.delete(step)  # a damaged checkpoint of this step: write it again
     exported = trainer.export_state(state)
-    return self._manager.save(
+    saved = self._manager.save(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardSave(exported), meta=ocp.args.JsonSave(dict(meta))
       ),
       force=True,
     )
+    if saved:
+      self._manager.wait_until_finished()
+      if jax.process_index() == 0:
+        _write_manifest(self._step_dir(step))
+    return saved
+
+  def _step_dir(self, step: int) -> pathlib.Path:
+    return self.directory / str(step)
+
+  def verify(self, step: int) -> str | None:
+    """Checks checkpoint `step` against its manifest, without reading it with orbax.
+
+    Returns:
+      `None` when every file has the recorded size and SHA-256; otherwise what
+      is wrong, in a few words (a missing manifest counts as wrong too: call
+      `restore`, which accepts such a checkpoint with a warning).
+    """
+    folder = self._step_dir(step)
+    try:
+      manifest = json.loads((folder / MANIFEST).read_text())
+      entries = manifest["files"]
+    except FileNotFoundError:
+      return "has no manifest"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      return f"has an unreadable manifest ({type(e).__name__})"
+    for name, want in entries.items():
+      path = folder / name
+      if not path.is_file():
+        return f"lacks {name}"
+      if path.stat().st_size != want["bytes"]:
+        return f"has {name} of {path.stat().st_size} bytes, {want['bytes']} were written"
+      if _sha256(path) != want["sha256"]:
+        return f"has {name} with a different checksum than was written"
+    return None
 
   def restore(self, trainer: Trainer, step: int | None = None) -> tuple[TrainState, dict]:
-    """Restores the newest (or the given) checkpoint into `trainer`'s layout.
+    """Restores the newest intact (or the given) checkpoint into `trainer`'s layout.
 
     `trainer` must have been `init`-ed (for its shapes and shardings); any
-    strategy and mesh will do.
+    strategy and mesh will do. Without `step`, checkpoints are tried newest
+    first: one whose files do not match its manifest, or that orbax cannot
+    read, is skipped, and one `CheckpointWarning` names the skipped steps,
+    why, and the step restored instead. A checkpoint without a manifest (from
+    an older parstrat, or a process killed between orbax's save and the
+    manifest) is restored with a warning that it was not verified.
 
     Raises:
       FileNotFoundError: if there is no checkpoint.
+      ValueError: if the saved state does not fit this trainer's model (named
+        by the first leaf that differs; checked before reading any array).
+      CheckpointError: if no checkpoint can be restored (or the given `step`
+        is damaged).
     """
-    step = self.latest_step() if step is None else step
-    if step is None:
+    steps = sorted(self.all_steps(), reverse=True) if step is None else [int(step)]
+    if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}.")
     template = trainer.export_state(_template_state(trainer))
     abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template
     )
-    restored = self._manager.restore(
+    skipped = []
+    for candidate in steps:
+      problem = self.verify(candidate)
+      unverified = problem == "has no manifest"
+      if problem is None or unverified:
+        try:
+          restored = self._restore(candidate, template, abstract)
+        except _DoesNotFit:
+          raise
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+          first = (str(e).strip().splitlines() or [""])[0][:160]
+          problem, unverified = f"cannot be read ({type(e).__name__}: {first})", False
+        else:
+          notes = []
+          if skipped:
+            notes.append(
+              f"skipped damaged checkpoint(s) in {self.directory}: "
+              + "; ".join(f"step {s} {why}" for s, why in skipped)
+              + f"; restored step {candidate}, the newest intact one"
+            )
+          if unverified:
+            notes.append(
+              f"checkpoint step {candidate} in {self.directory} has no manifest (an older "
+              "parstrat, or a save interrupted before it); restored it unverified"
+            )
+          for note in notes:
+            warnings.warn(note, CheckpointWarning, stacklevel=2)
+          return trainer.import_state(restored["state"]), dict(restored["meta"])
+      skipped.append((candidate, problem))
+    described = "; ".join(f"step {s} {why}" for s, why in skipped)
+    raise CheckpointError(f"No intact checkpoint in {self.directory}: {described}.")
+
+  def _restore(self, step: int, template: Any, abstract: Any) -> dict:
+    """Reads one checkpoint after checking its saved tree against `template`."""
+    saved = self._manager.item_metadata(step)["state"]
+    if saved is None:
+      raise OSError("orbax finds no saved state")
+    # The params first: a different model is best named by its first layer.
+    mismatch = trees.first_mismatch(
+      {"params": saved.tree.get("params")}, {"params": template["params"]}
+    ) or trees.first_mismatch(saved.tree, template)
+    if mismatch is not None:
+      raise _DoesNotFit(f"The checkpoint at step {step} does not fit this model: {mismatch}.")
+    return self._manager.restore(
       step,
       args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
       ),
     )
-    return trainer.import_state(restored["state"]), dict(restored["meta"])
 
 
 def _template_state(trainer: Trainer) -> TrainState:
@@ -138,3 +263,18 @@ def _template_state(trainer: Trainer) -> TrainState:
   return jax.tree.map(
     lambda a, s: jax.device_put(jax.numpy.zeros(a.shape, a.dtype), s), abstract, shardings
   )
+
+
+def _sha256(path: pathlib.Path) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(folder: pathlib.Path) -> None:
+  """Records the size and SHA-256 of every file under `folder`, atomically."""
+  entries = {}
+  for path in sorted(folder.rglob("*")):
+    if path.is_file() and path.name != MANIFEST:
+      name = path.relative_to(folder).as_posix()
+      entries[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+  files.write_atomically(folder / MANIFEST, json.dumps({"format": 1, "files": entries}, indent=1))

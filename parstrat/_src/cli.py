@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
-import json
+import math
 import pathlib
+import re
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -36,8 +39,8 @@ def _positive_float(text: str) -> float:
     value = float(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-  if not value > 0:
-    raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+  if not (value > 0 and math.isfinite(value)):
+    raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
   return value
 
 
@@ -98,9 +101,38 @@ class _Version(argparse.Action):
     parser.exit()
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with one-line errors and a "did you mean" for misspelt flags and commands."""
+
+  def error(self, message: str):  # noqa: D401 - argparse's hook
+    print(f"{self.prog}: error: {message}{_suggestion(self, message)}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+  """The " (did you mean X?)" hint for the first unknown flag or bad choice in `message`."""
+  unknown = re.search(r"unrecognized arguments: (\S+)", message)
+  choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+  if unknown:
+    word, candidates = unknown.group(1).split("=")[0], set()
+    parsers = [parser]
+    while parsers:  # every flag of every command
+      current = parsers.pop()
+      candidates.update(current._option_string_actions)  # noqa: SLF001
+      for action in current._actions:  # noqa: SLF001
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+          parsers.extend(action.choices.values())
+  elif choice:
+    word, candidates = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
+  else:
+    return ""
+  close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
+  return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
   defaults = _HelpFormatter
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
     prog="parstrat",
     description="Parallelism strategies for Haiku models on JAX.",
     formatter_class=defaults,
@@ -228,9 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
   train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
-  train.add_argument("--keep", type=_positive, default=3, help="checkpoints to keep")
+  train.add_argument("--keep", type=_positive, default=None, help="checkpoints to keep (default 3)")
   train.add_argument(
     "--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir"
+  )
+  train.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="start afresh in a --checkpoint-dir that is not empty (its checkpoints are deleted)",
+  )
+  train.add_argument(
+    "--allow-config-change",
+    action="store_true",
+    help="--resume with another --lr, optimizer or --precision than the checkpoint's",
   )
   train.add_argument(
     "--stop-on-nonfinite",
@@ -336,6 +378,138 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   return config
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+  """Finds the file-system problems of `train`'s flags before anything is loaded or trained.
+
+  Raises:
+    UsageError: for checkpoint flags without `--checkpoint-dir`, a path that
+      is a file where a directory is needed (or the other way round), a
+      missing or unwritable directory, or a non-empty checkpoint directory
+      without `--resume` or `--overwrite`.
+  """
+  given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
+           ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
+  if args.checkpoint_dir is None and given:
+    raise UsageError(f"{given[0]} needs --checkpoint-dir")
+  if args.resume and args.overwrite:
+    raise UsageError("--resume continues the checkpoints that --overwrite would delete: pick one")
+  if args.checkpoint_dir is not None:
+    directory = pathlib.Path(args.checkpoint_dir)
+    _check_writable_dir(directory, "--checkpoint-dir")
+    if directory.is_dir() and any(directory.iterdir()) and not (args.resume or args.overwrite):
+      raise UsageError(
+        f"--checkpoint-dir {directory} is not empty (another run?): pass --resume to continue "
+        "it or --overwrite to start afresh"
+      )
+  if args.out is not None:
+    _check_writable_dir(pathlib.Path(args.out), "--out")
+  if args.metrics is not None:
+    path = pathlib.Path(args.metrics)
+    if path.is_dir():
+      raise UsageError(f"--metrics {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+      raise UsageError(f"--metrics {path}: the directory {path.parent} does not exist")
+    _check_writable_dir(path.parent, "--metrics")
+
+
+def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
+  """`path` is (or can be created as) a directory we can write into."""
+  if path.exists() and not path.is_dir():
+    raise UsageError(f"{flag} {path} is a file, not a directory")
+  existing = path
+  while not existing.exists():  # the nearest existing folder is where we would create it
+    existing = existing.parent
+  if not existing.is_dir():
+    raise UsageError(f"{flag} {path}: {existing} is a file, not a directory")
+  try:
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    raise UsageError(f"{flag} {path}: cannot write in {existing}: {e.strerror or e}") from None
+
+
+def _run_config(args: argparse.Namespace) -> dict:
+  """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
+  return {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
+          "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
+          "clip_norm": args.clip_norm, "precision": args.precision or "float32",
+          "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
+          "dataset": args.dataset, "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
+
+
+#: Changes to these need --allow-config-change on --resume.
+GUARDED = ("optimizer", "lr", "lr_schedule", "warmup_steps", "weight_decay", "clip_norm",
+           "precision", "dataset")  # fmt: skip
+
+
+def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
+  """`(guarded, other)` differences between a checkpoint's run config and this run's.
+
+  Example:
+    >>> _config_changes({"lr": 0.1, "accumulate": 1}, {"lr": 0.2, "accumulate": 2})
+    (['lr 0.1 -> 0.2'], ['accumulate 1 -> 2'])
+  """
+  changes = {k: f"{k} {saved[k]} -> {current[k]}" for k in current
+             if k in saved and saved[k] != current[k]}  # fmt: skip
+  guarded = [text for key, text in changes.items() if key in GUARDED]
+  return guarded, [text for key, text in changes.items() if key not in GUARDED]
+
+
+def _open_checkpoints(args, strategy, trainer, say):
+  """The run's `Checkpointer`, and for `--resume` the restored state and its metadata.
+
+  Returns `(checkpointer, state or None, meta or None)`. Closes the
+  checkpointer itself if anything fails.
+
+  Raises:
+    UsageError: no checkpoint to resume, none intact, a model that does not
+      fit, or a run configuration that differs (see `_config_changes`).
+  """
+  import warnings
+
+  from parstrat._src.checkpoint import Checkpointer
+  from parstrat._src.checkpoint import CheckpointError
+
+  directory = pathlib.Path(args.checkpoint_dir)
+  if args.compare:
+    directory = directory / strategy_name(strategy)
+  ckpt = Checkpointer(directory, save_every=args.save_every or 10**9, keep=args.keep or 3)
+  try:
+    if args.overwrite and ckpt.all_steps():
+      say(f"--overwrite: deleting checkpoints {ckpt.all_steps()} in {directory}")
+      for old in ckpt.all_steps():
+        ckpt.delete(old)
+    if not args.resume:
+      return ckpt, None, None
+    if ckpt.latest_step() is None:
+      raise UsageError(f"--resume: no checkpoint in {directory}")
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      try:
+        state, meta = ckpt.restore(trainer)
+      except (ValueError, CheckpointError) as e:
+        raise UsageError(f"--resume: {e}") from None
+    for warning in caught:
+      say(f"warning: {warning.message}")
+    if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
+      raise UsageError(
+        f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
+        f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
+      )
+    guarded, other = _config_changes(meta.get("config", {}), _run_config(args))
+    if guarded and not args.allow_config_change:
+      raise UsageError(
+        f"--resume: the checkpoint was written with another configuration ({', '.join(guarded)});"
+        " pass --allow-config-change to continue with the new one"
+      )
+    if guarded or other:
+      say(f"resuming with a changed configuration: {', '.join(guarded + other)}")
+    return ckpt, state, meta
+  except BaseException:
+    ckpt.close()
+    raise
+
+
 def _multi_process(args: argparse.Namespace) -> bool:
   import os
 
@@ -372,6 +546,7 @@ def _default_model(hidden: list[int], classes: int):
 def train(args: argparse.Namespace) -> dict:
   from parstrat._src import distributed
 
+  _check_paths(args)
   if _multi_process(args):
     try:
       distributed.initialize(
@@ -452,7 +627,7 @@ def train(args: argparse.Namespace) -> dict:
       args, strategy, model, data, metrics_path if primary else None, say,
       model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
     )  # fmt: skip
-  if out is not None and primary:
+  if out is not None and primary and not all(r.get("complete") for r in runs.values()):
     from parstrat._src import report
 
     picture = out / ("compare.png" if args.compare else "report.png")
@@ -515,6 +690,7 @@ def _train_one(
   from parstrat._src import banner
   from parstrat._src import run_data
   from parstrat._src import tensorboard_log
+  from parstrat._src.history import History
 
   optimizer, lr_schedule = _optimizer(args, data)
   try:
@@ -543,15 +719,38 @@ def _train_one(
     say(trainer.plan.description)
   used = int(trainer.mesh.devices.size)
   steps_per_epoch = data.steps_per_epoch
-  records = []
-  metrics_file = open(metrics_path, "w") if metrics_path else None  # noqa: SIM115
-  board = tensorboard_log.ScalarWriter(log_dir) if log_dir is not None else None
+  timed_examples = 0
+  timed_seconds = 0.0
+  step = 0
+  skipped: list[int] = []
+  accuracy = None
+  ckpt = None
+  first_epoch, skip_batches = 0, 0
+  resume_step = None
+  if args.checkpoint_dir:
+    ckpt, restored, meta = _open_checkpoints(args, strategy, trainer, say)
+    if restored is not None:
+      state = restored
+      step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
+      resume_step = step
+      if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
+        ckpt.close()
+        say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
+        return {"accuracy": accuracy, "records": [], "state": state, "skipped": [],
+                "complete": True}  # fmt: skip
+  try:
+    history = History(metrics_path, resume_step=resume_step)
+  except (OSError, ValueError) as e:
+    if ckpt is not None:
+      ckpt.close()
+    raise UsageError(f"metrics file {metrics_path}: {e}") from None
+  records = history.records
+  # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
+  purge = None if resume_step is None else resume_step + 1
+  board = tensorboard_log.ScalarWriter(log_dir, purge) if log_dir is not None else None
 
   def record(row: dict) -> None:
-    records.append(row)
-    if metrics_file is not None:
-      metrics_file.write(json.dumps(row) + "\n")
-      metrics_file.flush()
+    history.append(row)
     if board is not None:
       board.write(row["step"], row)
 
@@ -563,40 +762,18 @@ def _train_one(
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
     return accuracy
 
-  timed_examples = 0
-  timed_seconds = 0.0
-  step = 0
-  skipped: list[int] = []
-  accuracy = None
-  ckpt = None
-  first_epoch, skip_batches = 0, 0
-  if args.checkpoint_dir:
-    from parstrat._src.checkpoint import Checkpointer
-
-    directory = pathlib.Path(args.checkpoint_dir)
-    if args.compare:
-      directory = directory / strategy_name(strategy)
-    ckpt = Checkpointer(directory, save_every=args.save_every or 10**9, keep=args.keep)
-    if args.resume:
-      if ckpt.latest_step() is None:
-        raise UsageError(f"--resume: no checkpoint in {directory}")
-      state, meta = ckpt.restore(trainer)
-      if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
-        raise UsageError(
-          f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
-          f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
-        )
-      step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
-      say(
-        f"resumed from {directory} at step {step} (epoch {first_epoch + 1}, batch {skip_batches})"
-      )
+  if resume_step is not None:
+    say(
+      f"resumed from {ckpt.directory} at step {step} (epoch {first_epoch + 1}, "
+      f"batch {skip_batches})"
+    )
   first_step = step + 1  # compiles: not timed
 
   def position(epoch: int, batch: int) -> dict:
     if batch == steps_per_epoch:
       epoch, batch = epoch + 1, 0
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
-            "batch_size": args.batch_size}  # fmt: skip
+            "batch_size": args.batch_size, "config": _run_config(args)}  # fmt: skip
 
   window: list[float] = []  # finite losses since the last logged row
   window_steps, window_seconds = 0, 0.0
@@ -649,6 +826,12 @@ def _train_one(
         except (TypeError, ValueError) as e:
           raise UsageError(str(e)) from None
         step += 1
+        if "labels_in_range" in metrics and not bool(metrics["labels_in_range"]):
+          classes = trainer._num_classes(data.sample_inputs())  # noqa: SLF001
+          raise TrainingError(
+            f"step {step}: batch {batch_in_epoch + 1} of epoch {epoch + 1} has labels outside "
+            f"[0, {classes}), the model's classes; stopping (nothing of this step is saved)"
+          )
         loss = float(metrics["loss"])  # waits for the step
         seconds = time.perf_counter() - tick
         if step > first_step:
@@ -699,8 +882,7 @@ def _train_one(
     if ckpt is not None:
       ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
-    if metrics_file is not None:
-      metrics_file.close()
+    history.close()
     if ckpt is not None:
       ckpt.close()
     if board is not None:

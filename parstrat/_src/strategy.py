@@ -38,6 +38,7 @@ from parstrat._src import distributed
 from parstrat._src import messages
 from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
+from parstrat._src import trees
 
 Params = Any  # a pytree in the model's own (Haiku) layout
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
@@ -212,9 +213,10 @@ class Strategy(abc.ABC):
       loss_fn: `(logits, labels) -> scalar`, a *mean* over examples (it is
         averaged over devices and microbatches). Default: softmax
         cross-entropy on integer labels.
-      skip_nonfinite: when the loss or the gradient norm of a step is NaN or
-        infinite, keep the previous params and optimizer state (and step
-        count); `metrics["finite"]` says whether the update was applied.
+      skip_nonfinite: when the loss, the gradient norm, or the updated params
+        or optimizer state of a step hold a NaN or infinity, keep the previous
+        params and optimizer state (and step count); `metrics["finite"]` says
+        whether the update was applied.
       precision: mixed precision, applied with jmp around the model's `apply`:
         "mixed_bfloat16" computes in bfloat16 with params, optimizer state and
         loss in float32; also a jmp policy string or a `jmp.Policy`. Default:
@@ -432,7 +434,7 @@ class Trainer:
     self.model = model
     self.optimizer = optimizer
     self.loss_fn = softmax_cross_entropy if loss_fn is None else loss_fn
-    self.uses_default_loss = loss_fn is None
+    self.uses_default_loss = self.loss_fn is softmax_cross_entropy
     self.skip_nonfinite = bool(skip_nonfinite)
     #: For "auto": the `parstrat.Choice` made at `init` (None otherwise).
     self.choice = None
@@ -624,8 +626,15 @@ class Trainer:
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_state = TrainState(state.step + 1, params, opt_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
+        # The new params and optimizer state are checked too (a finite gradient
+        # still gives NaN params with an infinite learning rate). Only here: on
+        # sharded params the check costs one more (scalar) collective.
+        finite = finite & trees.all_finite((params, opt_state))
         new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
       metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+      if self.uses_default_loss:
+        classes = self._num_classes(inputs)
+        metrics["labels_in_range"] = jnp.all((labels >= 0) & (labels < classes))
       return new_state, metrics
 
     # Pinning the output shardings to the input's keeps the state a fixed
@@ -722,17 +731,26 @@ class Trainer:
 
     Returns:
       `(new_state, metrics)`, metrics `{"loss", "grad_norm", "finite"}` as device
-      scalars (`finite` is False when the loss or gradients were NaN or infinite;
-      with `skip_nonfinite=True` that update was not applied).
+      scalars (`finite` is False when the loss or the gradients hold a NaN or
+      infinity, and with `skip_nonfinite=True` also the new params or optimizer
+      state; then that update was not applied). With the default loss, also
+      `"labels_in_range"`: every label is a class id in `[0, C)`, C the model's
+      output width (out-of-range labels do not stop the step unless
+      `debug=True`).
 
     Raises:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
-        so `state` stays usable).
+        so `state` stays usable), a state that was already donated to an
+        earlier `step` or belongs to another trainer, or (with `debug=True`
+        and the default loss) labels outside `[0, C)`.
     """
+    self._check_state(state, "step")
     x, y = self._check_batch(batch)
     chex.assert_equal_shape_prefix([x, y], 1)
     sharding = self._batch_sharding()
     x, y = jax.device_put((x, y), sharding)
+    if self.strategy.debug and self.uses_default_loss:
+      self._check_label_range(x, y)
     state, metrics = self._compiled_step(state, x, y)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
@@ -785,9 +803,55 @@ class Trainer:
       The logits, `[B, ...]`, split over the mesh like the inputs.
     """
     self.plan  # noqa: B018 - raises a clear error before init
+    self._check_state(state, "apply")
     x = self._check_inputs(self._to_global(inputs), "inputs")
     x = jax.device_put(x, self._batch_sharding())
     return self._compiled_apply(state.params, x)
+
+  # ----------------------------------------------------------------- guards
+  def _check_state(self, state: Any, what: str) -> None:
+    """Refuses a donated state, or one of another trainer, before JAX sees it.
+
+    JAX 0.10 can crash the process (a segfault) on a deleted multi-device
+    array, and a foreign tree fails deep inside `jit`; both are caught here.
+
+    Raises:
+      ValueError: naming the deleted or mismatched leaf.
+    """
+    self.plan  # noqa: B018 - raises a clear error before init
+    leaves, treedef = jax.tree.flatten(state)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+      if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+          f"{what}: this state was donated to an earlier trainer.step (its leaf "
+          f"{trees.leaf_name(path)} is deleted); pass the state that step returned."
+        )
+    want_leaves, want_treedef = jax.tree.flatten(self._abstract_state)
+    if treedef == want_treedef and all(
+      np.shape(x) == w.shape for x, w in zip(leaves, want_leaves, strict=True)
+    ):
+      return
+    detail = trees.first_mismatch(state, self._abstract_state) or (
+      f"got a {type(state).__name__}, expected the TrainState its init or step returned"
+    )
+    raise ValueError(f"{what}: the state does not belong to this trainer: {detail}.")
+
+  def _num_classes(self, inputs: Any) -> int:
+    """The width C of the model's output for `inputs` (labels must lie in [0, C))."""
+    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    inputs = jax.ShapeDtypeStruct(inputs.shape, inputs.dtype)
+    outputs = jax.eval_shape(lambda p, x: self._plan_model.apply(p, None, x), params, inputs)
+    return int(outputs.shape[-1])
+
+  def _check_label_range(self, inputs: jax.Array, labels: jax.Array) -> None:
+    """For `debug=True`: class ids outside [0, C) raise before the step runs."""
+    classes = self._num_classes(inputs)
+    low, high = (int(v) for v in _min_max(labels))
+    if low < 0 or high >= classes:
+      raise ValueError(
+        f"labels must be class ids in [0, {classes}) for the default loss (the model has "
+        f"{classes} outputs), got values from {low} to {high}."
+      )
 
   # ----------------------------------------------------------------- layouts
   def export_state(self, state: TrainState) -> dict[str, Any]:
@@ -798,6 +862,7 @@ class Trainer:
     Another trainer of the same model and optimizer, under any strategy and
     mesh, resumes from it with `import_state`; checkpoints store this form.
     """
+    self._check_state(state, "export_state")
     return self._compiled_export(state)
 
   @functools.cached_property
@@ -822,15 +887,9 @@ class Trainer:
     plan = self.plan
     params = exported["params"]
     expected = jax.eval_shape(plan.to_params, self._abstract_state.params)
-    got_shapes = jax.tree.map(np.shape, params)
-    want_shapes = jax.tree.map(lambda x: x.shape, expected)
-    if jax.tree.structure(got_shapes) != jax.tree.structure(want_shapes) or jax.tree.leaves(
-      got_shapes
-    ) != jax.tree.leaves(want_shapes):
-      raise ValueError(
-        "The saved params do not fit this model: saved "
-        f"{jax.tree.map(np.shape, params)}, expected {want_shapes}."
-      )
+    mismatch = trees.first_mismatch({"params": params}, {"params": expected})
+    if mismatch is not None:
+      raise ValueError(f"The saved params do not fit this model: {mismatch}.")
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
@@ -858,6 +917,7 @@ class Trainer:
 
     `model.apply(trainer.params(state), None, x)` works without parstrat.
     """
+    self._check_state(state, "params")
     return self._compiled_params(state.params)
 
 
@@ -906,6 +966,11 @@ def accumulate_gradients(
 
   total = jax.lax.fori_loop(1, k, body, first)
   return jax.tree.map(lambda x: x / k, total)
+
+
+@jax.jit
+def _min_max(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.min(x), jnp.max(x)
 
 
 def _map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:

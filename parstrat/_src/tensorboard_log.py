@@ -28,10 +28,12 @@ class ScalarWriter:
     ...   w.write(1, {"loss": 2.3, "epoch": 1})
   """
 
-  def __init__(self, logdir: str | pathlib.Path):
+  def __init__(self, logdir: str | pathlib.Path, purge_step: int | None = None):
+    """Opens a new event file in `logdir`; `purge_step` (a resumed run's first step)
+    makes TensorBoard drop the points at and after it that an earlier run wrote."""
     from tensorboardX import SummaryWriter
 
-    self._writer = SummaryWriter(str(logdir), flush_secs=10)
+    self._writer = SummaryWriter(str(logdir), flush_secs=10, purge_step=purge_step)
 
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     for key, value in scalars.items():

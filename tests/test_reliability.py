@@ -1,0 +1,425 @@
+"""Runs that lose nothing (issue 13): killed, corrupted and mis-driven on purpose.
+
+Each test is one row of the README's reliability table.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import parstrat
+from parstrat._src import cli
+from parstrat._src import datasets
+from parstrat._src.history import History
+from parstrat._src.history import read_history
+from parstrat.checkpoint import Checkpointer
+from parstrat.checkpoint import CheckpointError
+from parstrat.checkpoint import CheckpointWarning
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = hk.transform(lambda x: hk.nets.MLP([16, 10], activation=jax.nn.swish)(x))
+X = np.random.default_rng(0).normal(size=(8, 12)).astype(np.float32)
+Y = np.arange(8, dtype=np.int32) % 10
+TRAIN = ["train", "--epochs", "1", "--batch-size", "64", "--source", "sample", "--no-progress",
+         "--hidden", "16", "--devices", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  trainer = parstrat.DataParallel(data=2)(MODEL, optax.adam(1e-2))
+  trainer.initial = trainer.init(jax.random.key(0), X[:1])
+  return trainer
+
+
+def _fresh(trainer):
+  """A copy of the initial state (a new `init` would drop the compiled step)."""
+  return jax.tree.map(jnp.copy, trainer.initial)
+
+
+def _steps(path) -> list[int]:
+  return [r["step"] for r in read_history(path) if "loss" in r]
+
+
+def _one_line(text: str) -> str:
+  lines = text.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in text, text
+  return lines[0]
+
+
+# ------------------------------------------------------------------ metrics history
+
+
+def test_history_resumes_at_the_checkpoint_step_without_losing_or_repeating(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  with History(path) as history:
+    for step in range(1, 14):  # the checkpoint is at 10; the crash came at 13
+      history.append({"step": step, "loss": 1.0})
+    history.append({"step": 10, "eval_accuracy": 0.5})
+  with open(path, "a") as f:
+    f.write('{"step": 14, "lo')  # killed in the middle of a line
+  before = path.read_text()
+  with pytest.raises(FileNotFoundError):
+    History(tmp_path / "missing" / "metrics.jsonl", resume_step=10)
+  assert path.read_text() == before  # nothing is touched before the history opens
+  with History(path, resume_step=10) as history:
+    assert [r["step"] for r in history.records if "loss" in r] == list(range(1, 11))
+    for step in range(11, 21):
+      history.append({"step": step, "loss": 0.5})
+  assert _steps(path) == list(range(1, 21))
+  assert [r for r in read_history(path) if "eval_accuracy" in r] == [
+    {"step": 10, "eval_accuracy": 0.5}
+  ]
+
+
+def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_done(
+  tmp_path, capsys, monkeypatch
+):
+  from parstrat._src import report
+
+  drawn = []  # the records each report is drawn from
+  monkeypatch.setattr(report, "draw_training_report", lambda runs, path: drawn.append(runs))
+  ckpt = tmp_path / "ck"
+  flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--save-every", "5"]
+  assert cli.main([*flags, "--steps", "10"]) == 0
+  assert cli.main([*flags, "--steps", "20", "--resume"]) == 0
+  metrics = ckpt / "metrics.jsonl"
+  assert _steps(metrics) == list(range(1, 21))  # 10 steps + resume to 20: 20 lines
+  losses = {r["step"]: r["loss"] for r in read_history(metrics) if "loss" in r}
+  assert [r["step"] for r in drawn[-1]["data_parallel"] if "loss" in r] == list(range(1, 21))
+  capsys.readouterr()
+
+  # A finished run: one line, exit 0, the metrics file untouched.
+  before = metrics.read_bytes()
+  assert cli.main([*flags, "--steps", "20", "--resume"]) == 0
+  out = capsys.readouterr().out
+  assert f"the run in {ckpt} is already complete at step 20: nothing to train" in out
+  assert "resumed from" not in out and metrics.read_bytes() == before
+
+  # Flip 4096 bytes of the newest checkpoint's biggest data file: step 15 is used instead.
+  data = max((ckpt / "20" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  middle = len(raw) // 2 - 2048
+  raw[middle : middle + 4096] = bytes(b ^ 0xFF for b in raw[middle : middle + 4096])
+  data.write_bytes(bytes(raw))
+  assert cli.main([*flags, "--steps", "22", "--resume"]) == 0
+  out = capsys.readouterr().out
+  warning = [line for line in out.splitlines() if line.startswith("warning:")]
+  assert len(warning) == 1 and "step 20 has state/" in warning[0]
+  assert "with a different checksum than was written; restored step 15" in warning[0]
+  assert "resumed from" in out and "at step 15" in out
+  assert _steps(metrics) == list(range(1, 23))  # 16..20 trained again, once each
+  again = {r["step"]: r["loss"] for r in read_history(metrics) if "loss" in r}
+  assert [again[s] for s in range(16, 21)] == [losses[s] for s in range(16, 21)]
+
+  # Another learning rate needs --allow-config-change, and is printed.
+  assert cli.main([*flags, "--steps", "24", "--resume", "--lr", "0.01"]) == 2
+  err = _one_line(capsys.readouterr().err)
+  assert "written with another configuration (lr 0.001 -> 0.01)" in err
+  assert "--allow-config-change" in err and _steps(metrics) == list(range(1, 23))
+  assert cli.main([*flags, "--steps", "24", "--resume", "--lr", "0.01",
+                   "--allow-config-change"]) == 0  # fmt: skip
+  assert "resuming with a changed configuration: lr 0.001 -> 0.01" in capsys.readouterr().out
+  with Checkpointer(ckpt) as saved:
+    assert saved.all_steps() == [20, 22, 24] and all(saved.verify(s) is None for s in (20, 24))
+
+  # A fresh run into the used directory is refused, or replaces it with --overwrite.
+  assert cli.main([*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "2"]) == 2
+  assert "is not empty (another run?)" in _one_line(capsys.readouterr().err)
+  assert cli.main([*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "2", "--overwrite"]) == 0
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2"]
+  assert _steps(metrics) == [1, 2]
+
+
+def test_resume_with_another_model_is_one_line_and_leaves_the_metrics(tmp_path):
+  ckpt = tmp_path / "ck"
+  assert cli.main([*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "3"]) == 0
+  before = (ckpt / "metrics.jsonl").read_bytes()
+  out = subprocess.run(  # a process of its own, to see how it exits
+    [sys.executable, "-m", "parstrat", *TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "6",
+     "--resume", "--hidden", "8"],
+    capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+    timeout=300, check=False,
+  )  # fmt: skip
+  assert out.returncode == 2
+  assert _one_line(out.stderr) == (
+    "parstrat train: error: --resume: The checkpoint at step 3 does not fit this model: "
+    "params['mlp/~/linear_0']['b']: shape (16,), expected (8,)."
+  )  # no orbax traceback, and no "ImportError: sys.meta_path is None" at exit
+  assert (ckpt / "metrics.jsonl").read_bytes() == before
+
+
+# ------------------------------------------------------------------ checkpoint integrity
+
+
+def _save(trainer, directory, steps):
+  state = _fresh(trainer)
+  saved = {}
+  with Checkpointer(directory) as ckpt:
+    for step in steps:
+      state, _ = trainer.step(state, (X, Y))
+      ckpt.save(trainer, state, {"at": step}, step=step)
+      saved[step] = jax.device_get(trainer.params(state))
+  return saved
+
+
+def _flip(folder):
+  data = max(folder.rglob("d/*"), key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 3 :] = bytes(b ^ 0x5A for b in raw[len(raw) // 3 :])
+  data.write_bytes(bytes(raw))
+
+
+def _truncate(folder):
+  data = max(folder.rglob("d/*"), key=lambda p: p.stat().st_size)
+  data.write_bytes(data.read_bytes()[:100])
+
+
+def _delete_part(folder):
+  for path in folder.rglob("d/*"):  # the data files; the metadata stays
+    path.unlink()
+
+
+def _delete_part_and_manifest(folder):
+  _delete_part(folder)
+  (folder / "parstrat_manifest.json").unlink()
+
+
+@pytest.mark.parametrize(
+  "damage, problem",
+  [
+    (_flip, "with a different checksum than was written"),
+    (_truncate, "bytes, "),
+    (_delete_part, "lacks state/"),
+    (_delete_part_and_manifest, "cannot be read (ValueError: "),  # orbax itself fails
+  ],
+  ids=["flipped bytes", "truncated file", "deleted files", "deleted files and manifest"],
+)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(
+  trainer, tmp_path, damage, problem
+):
+  saved = _save(trainer, tmp_path, [1, 2, 3])
+  damage(tmp_path / "3")
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.verify(2) is None and ckpt.verify(3) is not None
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      state, meta = ckpt.restore(trainer)
+    with pytest.raises(CheckpointError, match="No intact checkpoint .*: step 3 "):
+      ckpt.restore(trainer, step=3)
+  assert meta == {"at": 2} and int(state.step) == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params(state)), saved[2])
+  (message,) = [str(w.message) for w in caught if w.category is CheckpointWarning]
+  assert message.startswith(f"skipped damaged checkpoint(s) in {tmp_path}: step 3 ")
+  assert problem in message and message.endswith("restored step 2, the newest intact one")
+  assert "\n" not in message
+
+
+def test_without_a_manifest_a_checkpoint_restores_with_a_warning_and_a_damaged_step_is_rewritten(
+  trainer, tmp_path
+):
+  _save(trainer, tmp_path, [1, 2])
+  (tmp_path / "2" / "parstrat_manifest.json").unlink()  # killed between orbax and the manifest
+  with Checkpointer(tmp_path) as ckpt, pytest.warns(CheckpointWarning, match="restored it unverif"):
+    state, _ = ckpt.restore(trainer)
+  assert int(state.step) == 2
+  _flip(tmp_path / "1")
+  with Checkpointer(tmp_path) as ckpt:
+    assert ckpt.save(trainer, state, {"at": 1}, step=1)  # the damaged step 1 is written again
+    assert ckpt.verify(1) is None
+    for step in (1, 2):
+      ckpt.delete(step)
+    with pytest.raises(FileNotFoundError):
+      ckpt.restore(trainer)
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_orbax_reads_it(
+  trainer, tmp_path, monkeypatch
+):
+  _save(trainer, tmp_path, [1])
+  other = parstrat.DataParallel(data=2)(
+    hk.transform(lambda x: hk.nets.MLP([16, 7])(x)), optax.adam(1e-2)
+  )
+  other.init(jax.random.key(0), X[:1])
+  import orbax.checkpoint as ocp
+
+  def never(*args, **kwargs):
+    raise AssertionError("orbax was asked to restore")
+
+  monkeypatch.setattr(ocp.CheckpointManager, "restore", never)
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(ValueError, match=re.escape(
+      "The checkpoint at step 1 does not fit this model: params['mlp/~/linear_1']['b']: "
+      "shape (10,), expected (7,).")):  # fmt: skip
+      ckpt.restore(other)
+
+
+def test_the_readme_reads_a_checkpoint_with_plain_orbax_from_a_relative_path(
+  trainer, tmp_path, monkeypatch
+):
+  readme = (ROOT / "README.md").read_text()
+  section = readme[readme.index("Without parstrat, plain orbax reads it") :]
+  code = section[section.index("```python") + len("```python") : section.index("```\n\n")]
+  _save(trainer, tmp_path / "ckpt", [40])
+  monkeypatch.chdir(tmp_path)
+  scope = {}
+  exec(code, scope)  # the README's lines, with the README's relative path "ckpt/40/state"
+  assert set(scope["saved"]["params"]) == {"mlp/~/linear_0", "mlp/~/linear_1"}
+  assert set(scope["saved"]) == {"step", "params", "opt_state"}
+
+
+# ------------------------------------------------------------------ non-finite updates
+
+
+def test_an_infinite_learning_rate_never_writes_a_nonfinite_param(tmp_path, capsys):
+  bad = parstrat.DataParallel(data=2)(MODEL, optax.adam(jnp.inf), skip_nonfinite=True)
+  state = bad.init(jax.random.key(0), X[:1])
+  before = jax.device_get(bad.export_state(state))
+  state, metrics = bad.step(state, (X, Y))
+  assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert not bool(metrics["finite"])  # the new params are NaN: the update is not applied
+  after = jax.device_get(bad.export_state(state))
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  for lr in ("inf", "nan", "-1", "0"):
+    with pytest.raises(SystemExit) as info:
+      cli.main([*TRAIN, "--lr", lr, "--checkpoint-dir", str(tmp_path / "ck")])
+    assert info.value.code == 2
+    err = _one_line(capsys.readouterr().err)
+    assert (
+      err == f"parstrat train: error: argument --lr: expected a positive finite number, got {lr!r}"
+    )
+  assert not (tmp_path / "ck").exists()  # nothing was trained or saved
+
+
+# ------------------------------------------------------------------ labels
+
+
+def test_labels_outside_the_classes_are_reported_and_raise_in_debug(trainer):
+  state = _fresh(trainer)
+  for labels, in_range in ((Y, True), (np.where(Y == 3, -1, Y), False), (Y + 3, False)):
+    state, metrics = trainer.step(state, (X, labels.astype(np.int32)))
+    assert bool(metrics["labels_in_range"]) is in_range
+  debug = parstrat.DataParallel(data=2, debug=True)(MODEL, optax.sgd(0.1))
+  state = debug.init(jax.random.key(0), X[:1])
+  with pytest.raises(ValueError, match=re.escape(
+    "labels must be class ids in [0, 10) for the default loss (the model has 10 outputs), "
+    "got values from 3 to 10.")):  # fmt: skip
+    debug.step(state, (X, Y + 3))
+  state, _ = debug.step(state, (X, Y))  # checked before anything ran: the state is intact
+  custom = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1), loss_fn=lambda out, y: out.mean())
+  _, metrics = custom.step(custom.init(jax.random.key(0), X[:1]), (X, Y))
+  assert "labels_in_range" not in metrics  # only the default loss knows what a label is
+
+
+def test_the_cli_stops_at_a_batch_with_bad_labels(monkeypatch, capsys):
+  data = datasets.load_mnist("sample", log=lambda *a: None)
+  second = list(datasets.batch_indices(len(data.train_labels), 64, seed=0, epoch=0))[1]
+  labels = data.train_labels.copy()
+  labels[second[5]] = 10
+  monkeypatch.setattr(
+    datasets, "load_mnist", lambda *a, **k: datasets.Dataset(
+      data.train_images, labels, data.eval_images, data.eval_labels, "sample with a bad label")
+  )  # fmt: skip
+  assert cli.main([*TRAIN, "--steps", "4"]) == 1
+  assert _one_line(capsys.readouterr().err) == (
+    "parstrat train: stopped: step 2: batch 2 of epoch 1 has labels outside [0, 10), the "
+    "model's classes; stopping (nothing of this step is saved)"
+  )
+
+
+# ------------------------------------------------------------------ donated and foreign states
+
+
+def test_a_donated_or_foreign_state_is_refused_before_jax_sees_it(trainer):
+  state = _fresh(trainer)
+  new_state, _ = trainer.step(state, (X, Y))  # `state` is donated now
+  calls = {
+    "step": lambda s: trainer.step(s, (X, Y)),
+    "apply": lambda s: trainer.apply(s, X),
+    "params": trainer.params,
+    "export_state": trainer.export_state,
+  }
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=re.escape(
+      f"{name}: this state was donated to an earlier trainer.step (its leaf step is deleted); "
+      "pass the state that step returned.")):  # fmt: skip
+      call(state)
+  other = parstrat.DataParallel(data=2)(hk.transform(lambda x: hk.nets.MLP([8, 10])(x)),
+                                        optax.adam(1e-2))  # fmt: skip
+  foreign = other.init(jax.random.key(0), X[:1])
+  with pytest.raises(ValueError, match=re.escape(
+    "apply: the state does not belong to this trainer: params['mlp/~/linear_0']['b']: shape "
+    "(8,), expected (16,).")):  # fmt: skip
+    trainer.apply(foreign, X)
+  with pytest.raises(ValueError, match="step: the state does not belong to this trainer: got a "
+                     "dict, expected the TrainState its init or step returned"):  # fmt: skip
+    trainer.step(trainer.export_state(new_state), (X, Y))
+  trainer.step(new_state, (X, Y))  # the live state still works
+
+
+# ------------------------------------------------------------------ the command line
+
+
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--save-every", "5"], "--save-every needs --checkpoint-dir"),
+    (["--keep", "2"], "--keep needs --checkpoint-dir"),
+    (["--checkpoint-dir", "{tmp}/file"], "--checkpoint-dir {tmp}/file is a file, not a directory"),
+    (["--checkpoint-dir", "{tmp}/file/sub"], "{tmp}/file is a file, not a directory"),
+    (["--checkpoint-dir", "/proc/parstrat/ck"], "--checkpoint-dir /proc/parstrat/ck: cannot "
+     "write in /proc"),  # a file system that takes no new files, even from root
+    (["--checkpoint-dir", "{tmp}/used"], "--checkpoint-dir {tmp}/used is not empty (another "
+     "run?): pass --resume to continue it or --overwrite to start afresh"),
+    (["--checkpoint-dir", "{tmp}/used", "--resume", "--overwrite"], "pick one"),
+    (["--out", "{tmp}/file"], "--out {tmp}/file is a file, not a directory"),
+    (["--metrics", "{tmp}/missing/m.jsonl"], "the directory {tmp}/missing does not exist"),
+    (["--metrics", "{tmp}"], "--metrics {tmp} is a directory"),
+  ],
+)  # fmt: skip
+def test_file_system_problems_are_one_line_before_anything_runs(tmp_path, flags, message, capsys):
+  (tmp_path / "file").write_text("x")
+  (tmp_path / "used").mkdir()
+  (tmp_path / "used" / "10").mkdir()
+  flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+  assert cli.main([*TRAIN, *flags]) == 2
+  captured = capsys.readouterr()
+  assert message.replace("{tmp}", str(tmp_path)) in _one_line(captured.err)
+  assert captured.out == ""  # no data loaded, nothing trained
+
+
+@pytest.mark.parametrize(
+  "argv, expected",
+  [
+    (["train", "--chekpoint-dir", "x"], "parstrat: error: unrecognized arguments: --chekpoint-dir "
+     "x (did you mean --checkpoint-dir?)"),
+    (["trian"], "parstrat: error: argument command: invalid choice: 'trian' (choose from "
+     "'train', 'schedule', 'list') (did you mean train?)"),
+    (["train", "--epochs"], "parstrat train: error: argument --epochs: expected one argument"),
+    (["train", "--source", "sampel"], "parstrat train: error: argument --source: invalid choice: "
+     "'sampel' (choose from 'auto', 'tfds', 'sample') (did you mean sample?)"),
+  ],
+)  # fmt: skip
+def test_argument_errors_are_one_line_with_a_suggestion(argv, expected, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(argv)
+  assert info.value.code == 2
+  assert _one_line(capsys.readouterr().err) == expected
+
+
+def test_import_state_names_the_first_leaf_that_does_not_fit(trainer):
+  exported = {"step": 0, "params": {"mlp/~/linear_0": {"w": np.zeros((12, 16))}}}
+  with pytest.raises(ValueError, match=re.escape(
+    "The saved params do not fit this model: params['mlp/~/linear_0']['b'] is missing "
+    "(expected shape (16,)).")):  # fmt: skip
+    trainer.import_state(exported)
