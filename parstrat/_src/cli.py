@@ -892,7 +892,8 @@ def _train_one(
   platform = trainer.mesh.devices.flat[0].platform
   if timed_seconds:
     throughput = f"{timed_examples / timed_seconds:,.0f} examples/s over the "
-    throughput += f"{timed_examples // args.batch_size:,} steps after the first (compiling) one"
+    timed_steps = timed_examples // args.batch_size
+    throughput += f"{timed_steps:,} step{'s' * (timed_steps != 1)} after the first (compiling) one"
   else:
     throughput = "not measured (only the first, compiling, step ran)"
   say(f"throughput: {throughput}, on {used} of {len(devices) or used} {platform} devices")
