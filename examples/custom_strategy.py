@@ -26,8 +26,8 @@ from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import parstrat  # noqa: E402
-from parstrat._src.datasets import batches  # noqa: E402
-from parstrat._src.datasets import load_mnist  # noqa: E402
+from parstrat.datasets import batches  # noqa: E402
+from parstrat.datasets import load_mnist  # noqa: E402
 
 AXES = ("host", "local")
 
@@ -84,10 +84,9 @@ def main(epochs: int = 1, batch_size: int = 256) -> float:
     ):
       state, metrics = trainer.step(state, (images, labels))
     print(f"epoch {epoch + 1}: loss {float(metrics['loss']):.4f}")
-  n = (len(data.eval_labels) // batch_size) * batch_size
-  logits = trainer.apply(state, data.eval_images[:n])
-  accuracy = float((logits.argmax(-1) == data.eval_labels[:n]).mean())
-  print(f"eval accuracy: {accuracy:.4f}")
+  logits = trainer.apply(state, data.eval_images)  # all 2,000: 250 per device
+  accuracy = float((logits.argmax(-1) == data.eval_labels).mean())
+  print(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} images")
   reports = parstrat.testing.check_strategy("two_level_data_parallel", steps=5, batch=32)
   for report in reports:
     print(f"conformance: {report}")

@@ -23,8 +23,8 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import parstrat  # noqa: E402
-from parstrat._src.datasets import batches  # noqa: E402
-from parstrat._src.datasets import load_mnist  # noqa: E402
+from parstrat.datasets import batches  # noqa: E402
+from parstrat.datasets import load_mnist  # noqa: E402
 
 NUM_DEVICES = jax.device_count()
 BATCH_SIZE = 32  # per device

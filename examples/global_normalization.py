@@ -18,6 +18,9 @@ parstrat.testing.use_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import parstrat  # noqa: E402
 
@@ -33,10 +36,20 @@ def main() -> dict[str, float]:
   out = jax.pmap(per_lane, axis_name="p")(arr.reshape(devices, 25, 1))
   results["pmap(vmap)"] = out.reshape(-1)
 
-  # 2./3. a 4 x 2 mesh ("p", "v"): each device holds a [1, 25] block of [4, 50].
+  # 2. a 4 x 2 mesh ("p", "v"): each device holds a [1, 25] block of [4, 50] and
+  # divides it by one psum over both axis names, written out with jax.shard_map.
   mesh = jax.make_mesh((4, 2), ("p", "v"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  out = parstrat.collectives.normalize_on_mesh(arr.reshape(4, 50), mesh)
+  spec = P("p", "v")
+  normalize = jax.shard_map(
+    lambda block: block / lax.psum(block.sum(), ("p", "v")), mesh=mesh, in_specs=spec,
+    out_specs=spec,
+  )  # fmt: skip
+  out = jax.jit(normalize)(jax.device_put(arr.reshape(4, 50), NamedSharding(mesh, spec)))
   results["shard_map on a 4x2 mesh"] = out.reshape(-1)
+
+  # 3. the library helper, which does the same.
+  out = parstrat.collectives.normalize_on_mesh(arr.reshape(4, 50), mesh)
+  results["normalize_on_mesh"] = out.reshape(-1)
 
   errors = {}
   for name, value in results.items():
@@ -44,7 +57,8 @@ def main() -> dict[str, float]:
     error = float(jnp.abs(value - expected).max())
     errors[name] = error
     print(f"{name:24} sum {total:.6f}  max |diff| vs arr / arr.sum(): {error:.2e}")
-  np.testing.assert_allclose(results["pmap(vmap)"], expected, rtol=1e-6)
+  for value in results.values():
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
   return errors
 
 

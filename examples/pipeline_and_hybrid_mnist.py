@@ -17,8 +17,8 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import parstrat  # noqa: E402
-from parstrat._src.datasets import batches  # noqa: E402
-from parstrat._src.datasets import load_mnist  # noqa: E402
+from parstrat.datasets import batches  # noqa: E402
+from parstrat.datasets import load_mnist  # noqa: E402
 
 STRATEGIES = {
   "data_parallel": dict(data=8),

@@ -2,6 +2,7 @@
 
 from parstrat import checks
 from parstrat import collectives
+from parstrat import datasets
 from parstrat import pipeline
 from parstrat._src.auto import Auto
 from parstrat._src.auto import Candidate
@@ -47,6 +48,7 @@ __all__ = [
   "build_mesh",
   "checks",
   "collectives",
+  "datasets",
   "get",
   "model_loss",
   "pipeline",

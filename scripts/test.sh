@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs everything, then runs the whole test suite (tests/ and the doctests)
+# Installs what is missing (see setup.sh), then runs the whole test suite (tests/ and the doctests)
 # on 8 virtual CPU devices.
 set -euo pipefail
 cd "$(dirname "$0")/.."

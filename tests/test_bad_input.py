@@ -127,7 +127,7 @@ def test_loader_and_schedule_reject_bad_input():
   "argv, message",
   [
     (["train", "--strategy", "fsdpp"], "Unknown strategy 'fsdpp'"),
-    (["train", "--strategy", "hybrid", "--data", "3", "--stages", "3"], "needs 9 devices"),
+    (["train", "--strategy", "hybrid", "--data-parallel", "3", "--stages", "3"], "needs 9 devices"),
     (["train", "--strategy", "pipeline", "--stages", "3"], "stages=3 exceeds the model's 2"),
     (["train", "--batch-size", "20000", "--source", "sample"], "exceeds the 8000 training"),
     (["train", "--batch-size", "12", "--source", "sample", "--steps", "1"], "multiple of 8"),

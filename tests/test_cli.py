@@ -72,7 +72,10 @@ def test_schedule_draws_a_png(tmp_path):
     "schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)
   )
   assert out.returncode == 0, out.stderr
-  assert "bubble fraction: 0.2727 measured, 0.2727 theory (P-1)/(M+P-1)" in out.stdout
+  assert (
+    "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)"
+    in out.stdout
+  )
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -80,7 +83,7 @@ def test_schedule_draws_a_png(tmp_path):
   "args, message",
   [
     (["train", "--strategy", "nope"], "Unknown strategy 'nope'"),
-    (["train", "--devices", "16"], "--devices 16: only 8 devices are available"),
+    (["train", "--devices", "16"], "--devices 16: only 8 cpu devices are available"),
     (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
     (
       ["train", "--strategy", "data_parallel", "--stages", "2"],
@@ -136,7 +139,7 @@ def test_train_auto_prints_its_choice(capsys):
 
 def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path):
   out = _run(
-    "train", "--compare", "data_parallel,pipeline,hybrid", "--data", "2", "--stages", "2",
+    "train", "--compare", "data_parallel,pipeline,hybrid", "--data-parallel", "2", "--stages", "2",
     "--hidden", "64", "64", "--epochs", "1", "--steps", "4", "--batch-size", "64",
     "--source", "sample", "--no-progress", "--out", str(tmp_path),
   )  # fmt: skip

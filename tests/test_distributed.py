@@ -13,8 +13,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 TRAIN = [
-    "train", "--strategy", "hybrid", "--data", "2", "--stages", "4", "--hidden", "64", "64",
-    "64", "--batch-size", "64", "--source", "sample", "--no-progress",
+    "train", "--strategy", "hybrid", "--data-parallel", "2", "--stages", "4", "--hidden", "64",
+    "64", "64", "--batch-size", "64", "--source", "sample", "--no-progress",
 ]  # fmt: skip
 
 

@@ -44,6 +44,63 @@ def _positive_float(text: str) -> float:
   return value
 
 
+def _not_negative(convert, what: str):
+  """An argparse type: `convert(text)`, refusing values below 0 with "expected {what}"."""
+
+  def parse(text: str):
+    try:
+      value = convert(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not value >= 0:
+      raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
+
+  return parse
+
+
+_non_negative = _not_negative(int, "an integer >= 0")
+_non_negative_float = _not_negative(float, "a number >= 0")
+
+
+class _RenamedStore(argparse.Action):
+  """Stores a value; the second and later option strings are old names that print a warning."""
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    if option_string in self.option_strings[1:] and not getattr(self, "warned", False):
+      self.warned = True
+      print(
+        f"parstrat: warning: {option_string} is deprecated and will be removed; "
+        f"use {self.option_strings[0]}",
+        file=sys.stderr,
+      )
+    setattr(namespace, self.dest, values)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each flag's default, unless its help already says what the default does."""
+
+  def _get_help_string(self, action):
+    if "default" in (action.help or ""):
+      return action.help
+    if action.default is None and action.option_strings:
+      return f"{action.help} (default: none)"
+    return super()._get_help_string(action)
+
+
+class _Version(argparse.Action):
+  """`--version`: imports parstrat (and JAX) only when asked."""
+
+  def __init__(self, option_strings, dest, **kwargs):
+    super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    import parstrat
+
+    print(f"parstrat {parstrat.__version__}")
+    parser.exit()
+
+
 class _Parser(argparse.ArgumentParser):
   """argparse with one-line errors and a "did you mean" for misspelt flags and commands."""
 
@@ -74,30 +131,98 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = _Parser(prog="parstrat", description="Parallelism strategies for Haiku models on JAX.")
+  defaults = _HelpFormatter
+  parser = _Parser(
+    prog="parstrat",
+    description="Parallelism strategies for Haiku models on JAX.",
+    formatter_class=defaults,
+  )
+  parser.add_argument("--version", action=_Version, help="print the version and exit")
   sub = parser.add_subparsers(dest="command", required=True)
 
-  train = sub.add_parser("train", help="train an MLP on MNIST with a strategy")
+  train = sub.add_parser(
+    "train",
+    help="train a model (default: an MLP on MNIST) with a strategy",
+    formatter_class=defaults,
+    description="Train a Haiku model with a parallelism strategy. Every flag is also a key "
+    "of a --config TOML file; flags on the command line override the file.",
+  )
+  train.add_argument("--config", default=None, help="TOML file of flags (batch-size = 128, ...)")
   train.add_argument("--strategy", default="data_parallel", help="a registered strategy name")
-  train.add_argument("--epochs", type=_positive, default=3)
+  train.add_argument(
+    "--model-fn",
+    default=None,
+    help="your model: 'package.module:function' or 'path/file.py:function' returning an "
+    'hk.Transformed, (hk.Transformed, loss_fn) or {"model": ..., **trainer options}; '
+    "default: an MLP of --hidden widths",
+  )
+  train.add_argument(
+    "--dataset",
+    default="mnist",
+    help="'mnist' (tfds or the bundled sample, see --source), any tfds dataset name, or "
+    "'package.module:function' / 'path/file.py:function' returning (train, eval) batches",
+  )
+  train.add_argument("--epochs", type=_positive, default=3, help="passes over the training data")
   train.add_argument("--batch-size", type=_positive, default=256, help="global batch size")
-  train.add_argument("--lr", type=_positive_float, default=1e-3, help="Adam learning rate")
-  train.add_argument("--seed", type=int, default=0)
+  train.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, momentum, lamb, "
+                     "lion, rmsprop or adafactor (optax)")  # fmt: skip
+  train.add_argument("--lr", type=_positive_float, default=1e-3, help="peak learning rate")
+  train.add_argument(
+    "--lr-schedule",
+    choices=("constant", "cosine"),
+    default="constant",
+    help="after the warm-up: constant, or cosine decay to 0 at the last step",
+  )
+  train.add_argument(
+    "--warmup-steps", type=_non_negative, default=0, help="linear learning-rate warm-up steps"
+  )
+  train.add_argument(
+    "--weight-decay", type=_non_negative_float, default=0.0, help="weight decay (0: none)"
+  )
+  train.add_argument(
+    "--clip-norm",
+    type=_positive_float,
+    default=None,
+    help="clip the gradients' global norm to this (optax.clip_by_global_norm)",
+  )
+  train.add_argument("--seed", type=int, default=0, help="params and data-order seed")
   train.add_argument(
     "--devices",
     type=_positive,
-    default=DEFAULT_DEVICES,
-    help="devices to use; on a CPU-only machine this many virtual CPU devices are made",
+    default=None,
+    help="devices to use (default: every accelerator; on a CPU-only machine, "
+    f"{DEFAULT_DEVICES} virtual CPU devices, and --devices N makes N)",
   )
   train.add_argument(
-    "--hidden", type=_positive, nargs="+", default=[512], help="hidden layer widths"
+    "--hidden", type=_positive, nargs="+", default=[512], help="hidden widths of the built-in MLP"
   )
-  train.add_argument("--source", choices=("auto", "tfds", "sample"), default="auto")
+  train.add_argument(
+    "--source",
+    choices=("auto", "tfds", "sample"),
+    default="auto",
+    help="where --dataset mnist comes from: tfds, the bundled 10,000-image sample, or auto "
+    "(tfds when reachable, else the sample)",
+  )
   train.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
-  train.add_argument("--data", type=_positive, default=None, help="data-parallel replicas")
-  train.add_argument("--stages", type=_positive, default=None, help="pipeline stages")
-  train.add_argument("--model", type=_positive, default=None, help="tensor-parallel devices")
-  train.add_argument("--microbatches", type=_positive, default=None)
+  mesh_axes = (  # flag, its old name (deprecated), mesh axis, what the size counts
+    ("--data-parallel", "--data", "data", "data-parallel replicas"),
+    ("--stages", None, "stage", "pipeline stages"),
+    ("--tensor-parallel", "--model", "model", "tensor-parallel devices"),
+  )
+  for flag, old, axis, what in mesh_axes:
+    train.add_argument(
+      *([flag, old] if old else [flag]),
+      dest=flag[2:] if old is None else old[2:],
+      action=_RenamedStore,
+      type=_positive,
+      default=None,
+      metavar="N",
+      help=f"{what} (mesh axis '{axis}'; default: the strategy's own split"
+      + (f"; {old} is the old name)" if old else ")"),
+    )
+  train.add_argument(
+    "--microbatches", type=_positive, default=None, help="pipeline microbatches (default: stages)"
+  )
   train.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="fsdp's ZeRO stage")
   train.add_argument(
     "--memory-budget",
@@ -112,9 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--accumulate", type=_positive, default=1, help="gradient accumulation microsteps per step"
   )
-  train.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None)
+  train.add_argument(
+    "--schedule",
+    choices=("gpipe", "1f1b"),
+    default=None,
+    help="pipeline schedule (default: the strategy's, 1f1b)",
+  )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
+  train.add_argument(
+    "--log-every",
+    type=_positive,
+    default=1,
+    help="write metrics (metrics.jsonl, TensorBoard) every N steps: mean loss over those steps; "
+    "with --no-progress also print a line",
+  )
+  train.add_argument(
+    "--eval-every",
+    type=_positive,
+    default=None,
+    help="also evaluate every N steps (default: at the end of each epoch only)",
+  )
   train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
   train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
   train.add_argument("--keep", type=_positive, default=None, help="checkpoints to keep (default 3)")
@@ -140,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--out",
     default=None,
-    help="run directory for metrics.jsonl and report.png (default: --checkpoint-dir)",
+    help="run directory for metrics.jsonl, TensorBoard event files and report.png "
+    "(default: --checkpoint-dir)",
   )
   train.add_argument(
     "--compare",
@@ -151,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     "multi-process", "run one process per host (JAX's own cluster detection works too)"
   )
   multi.add_argument("--coordinator", default=None, help="HOST:PORT of process 0")
-  multi.add_argument("--num-processes", type=_positive, default=None)
-  multi.add_argument("--process-id", type=int, default=None)
+  multi.add_argument("--num-processes", type=_positive, default=None, help="processes in the run")
+  multi.add_argument("--process-id", type=int, default=None, help="this process's index")
   multi.add_argument(
     "--join-timeout", type=_positive, default=120, help="seconds to wait for all processes"
   )
@@ -163,14 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     help="seconds without a heartbeat after which a lost process stops the others",
   )
 
-  sched = sub.add_parser("schedule", help="print and draw a pipeline schedule")
-  sched.add_argument("--stages", type=_positive, required=True)
-  sched.add_argument("--microbatches", type=_positive, required=True)
+  sched = sub.add_parser(
+    "schedule", help="print and draw a pipeline schedule", formatter_class=defaults
+  )
+  sched.add_argument("--stages", type=_positive, required=True, help="pipeline stages P")
+  sched.add_argument("--microbatches", type=_positive, required=True, help="microbatches M")
   sched.add_argument(
     "--schedule",
     choices=("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"),
     default="1f1b",
-    help="the schedule (default: %(default)s)",
+    help="the schedule to build",
   )
   sched.add_argument(
     "--virtual-stages",
@@ -183,8 +329,31 @@ def build_parser() -> argparse.ArgumentParser:
     "--csv", default=None, help="CSV file to write the schedule into (torch.distributed format)"
   )
 
-  sub.add_parser("list", help="list the registered strategies")
+  sub.add_parser("list", help="list the registered strategies", formatter_class=defaults)
   return parser
+
+
+def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+  return sub.choices["train"]
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+  """Parses the command line; `train --config FILE` reads FILE's keys as flags first."""
+  from parstrat._src import config
+
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(argv)
+  if getattr(args, "config", None) is None:
+    return args
+  try:
+    tokens = config.config_to_argv(
+      config.load_toml(args.config), _train_parser(parser), args.config
+    )
+  except config.ConfigError as e:
+    raise UsageError(str(e)) from None
+  at = argv.index("train") + 1
+  return parser.parse_args([*argv[:at], *tokens, *argv[at:]])
 
 
 def _setup_devices(count: int) -> None:
@@ -217,23 +386,6 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
     options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     config = {k: v for k, v in config.items() if k in options}
   return config
-
-
-def _accuracy(trainer, state, images, labels, batch_size: int, rows: slice) -> float:
-  """Eval accuracy; the last partial batch is padded (padding is not counted)."""
-  import numpy as np
-  from jax.experimental import multihost_utils
-
-  correct = 0
-  for start in range(0, len(labels), batch_size):
-    x = images[start : start + batch_size]
-    n = len(x)
-    if n < batch_size:
-      x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
-    logits = trainer.apply(state, x[rows])
-    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))[:n]
-    correct += int(np.sum(logits.argmax(-1) == labels[start : start + n]))
-  return correct / len(labels)
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -288,13 +440,16 @@ def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
 
 def _run_config(args: argparse.Namespace) -> dict:
   """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
-  return {"optimizer": "adam", "lr": args.lr, "precision": args.precision or "float32",
+  return {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
+          "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
+          "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
-          "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
+          "dataset": args.dataset, "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
 
 
 #: Changes to these need --allow-config-change on --resume.
-GUARDED = ("optimizer", "lr", "precision")
+GUARDED = ("optimizer", "lr", "lr_schedule", "warmup_steps", "weight_decay", "clip_norm",
+           "precision", "dataset")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -371,6 +526,33 @@ def _multi_process(args: argparse.Namespace) -> bool:
   return args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
 
 
+def _on_cpu(devices) -> bool:
+  return not devices or devices[0].platform == "cpu"
+
+
+def _cpu_hint(needed: int) -> str:
+  """How to get `needed` devices on a machine with fewer accelerators."""
+  return f"to try it on virtual CPU devices: JAX_PLATFORMS=cpu parstrat train --devices {needed}"
+
+
+def _devices_hint(e, devices) -> str:
+  if not _on_cpu(devices):
+    return f"{e.base} T{_cpu_hint(e.needed)[1:]}."
+  return f"{e.base} Pass --devices {e.needed} (on CPU, that many virtual devices are made)."
+
+
+def _default_model(hidden: list[int], classes: int):
+  import haiku as hk
+  import jax
+
+  widths = [*hidden, classes]
+
+  def mlp(x):
+    return hk.nets.MLP(widths, activation=jax.nn.swish)(x.reshape(x.shape[0], -1))
+
+  return hk.transform(mlp)
+
+
 def train(args: argparse.Namespace) -> dict:
   from parstrat._src import distributed
 
@@ -381,26 +563,30 @@ def train(args: argparse.Namespace) -> dict:
         args.coordinator,
         args.num_processes,
         args.process_id,
-        local_cpu_devices=args.devices,
+        local_cpu_devices=args.devices or DEFAULT_DEVICES,
         timeout_s=args.join_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
       )
     except ValueError as e:
       raise UsageError(str(e)) from None
   else:
-    _setup_devices(args.devices)
-  import haiku as hk
+    _setup_devices(args.devices or DEFAULT_DEVICES)
   import jax
 
   import parstrat
-  from parstrat._src import datasets
+  from parstrat._src import config
+  from parstrat._src import run_data
+  from parstrat._src.messages import TooFewDevicesError
 
   primary = distributed.is_primary()
   say = print if primary else (lambda *a, **k: None)
   devices = jax.devices()
-  if jax.process_count() == 1:
+  if jax.process_count() == 1 and args.devices is not None:
     if args.devices > len(devices):
-      raise UsageError(f"--devices {args.devices}: only {len(devices)} devices are available")
+      raise UsageError(
+        f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices are "
+        f"available" + ("" if _on_cpu(devices) else f"; {_cpu_hint(args.devices)}")
+      )
     devices = devices[: args.devices]
   names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
   strategies = {}
@@ -413,28 +599,44 @@ def train(args: argparse.Namespace) -> dict:
         strategies[name].make_mesh()
     except KeyError as e:
       raise UsageError(e.args[0]) from None
+    except TooFewDevicesError as e:
+      raise UsageError(_devices_hint(e, devices)) from None
     except (TypeError, ValueError) as e:
       raise UsageError(str(e)) from None
 
-  widths = [*args.hidden, 10]
-  model = hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
-  data = datasets.load_mnist(args.source, data_dir=args.data_dir, log=say)
-  say(f"data: {data}")
-  if len(data.train_labels) // args.batch_size < 1:
-    raise UsageError(
-      f"--batch-size {args.batch_size} exceeds the {len(data.train_labels)} training examples"
+  try:
+    data = run_data.load(
+      args.dataset,
+      source=args.source,
+      data_dir=args.data_dir,
+      batch_size=args.batch_size,
+      seed=args.seed,
+      log=say,
     )
+    if args.model_fn is None:
+      model, model_options = _default_model(args.hidden, data.num_classes or 10), {}
+    else:
+      model, model_options = config.load_model(args.model_fn, seed=args.seed)
+  except ValueError as e:  # ConfigError is a ValueError
+    raise UsageError(str(e)) from None
+  say(f"data: {data.description}")
   # The report goes next to the checkpoints unless --out says otherwise.
   out_dir = args.out or args.checkpoint_dir
   out = pathlib.Path(out_dir) if out_dir else None
   runs = {}
   for name, strategy in strategies.items():
     metrics_path = args.metrics
-    if out is not None and args.metrics is None:
-      metrics_path = out / name / "metrics.jsonl" if args.compare else out / "metrics.jsonl"
+    run_dir = None
+    if out is not None:
+      run_dir = out / name if args.compare else out
       if primary:
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    runs[name] = _train_one(args, strategy, model, data, metrics_path if primary else None, say)
+        run_dir.mkdir(parents=True, exist_ok=True)
+      if args.metrics is None:
+        metrics_path = run_dir / "metrics.jsonl"
+    runs[name] = _train_one(
+      args, strategy, model, data, metrics_path if primary else None, say,
+      model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
+    )  # fmt: skip
   if out is not None and primary and not all(r.get("complete") for r in runs.values()):
     from parstrat._src import report
 
@@ -453,38 +655,93 @@ def strategy_name(strategy) -> str:
   return type(strategy).__name__
 
 
-def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
-  """Trains one strategy; writes one JSON line per step and per epoch's eval."""
+def _total_steps(args, data) -> int | None:
+  if args.steps is not None:
+    if data.steps_per_epoch is None:
+      return args.steps
+    return min(args.steps, args.epochs * data.steps_per_epoch)
+  return None if data.steps_per_epoch is None else args.epochs * data.steps_per_epoch
+
+
+def _optimizer(args, data):
+  """The optimizer and its learning-rate schedule from the flags."""
+  from parstrat._src import optimizers
+
+  try:
+    schedule = optimizers.learning_rate_schedule(
+      args.lr,
+      schedule=args.lr_schedule,
+      warmup_steps=args.warmup_steps,
+      total_steps=_total_steps(args, data),
+    )
+    # A constant rate goes in as a number: the optimizer state then has no schedule
+    # counter, and checkpoints restore with a plain `optax.adam(lr)`.
+    constant = args.lr_schedule == "constant" and not args.warmup_steps
+    optimizer = optimizers.make_optimizer(
+      args.optimizer,
+      args.lr if constant else schedule,
+      weight_decay=args.weight_decay,
+      clip_norm=args.clip_norm,
+    )
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  return optimizer, schedule
+
+
+def _train_one(
+  args,
+  strategy,
+  model,
+  data,
+  metrics_path,
+  say,
+  *,
+  model_options=None,
+  devices=(),
+  log_dir=None,
+) -> dict:
+  """Trains one strategy; writes metrics every --log-every steps and each eval."""
   import jax
-  import optax
+  import numpy as np
   from tqdm import tqdm
 
-  from parstrat._src import datasets
+  from parstrat._src import banner
+  from parstrat._src import run_data
+  from parstrat._src import tensorboard_log
   from parstrat._src.history import History
 
+  optimizer, lr_schedule = _optimizer(args, data)
   try:
     trainer = strategy(
       model,
-      optax.adam(args.lr),
+      optimizer,
+      **(model_options or {}),
       skip_nonfinite=not args.stop_on_nonfinite,
       precision=args.precision,
       accumulate=args.accumulate,
     )
-    state = trainer.init(jax.random.key(args.seed), data.train_images[:1])
-    rows = trainer.local_batch_rows(args.batch_size)
+    sample = data.sample_inputs((model_options or {}).get("model_inputs"))
+    state = trainer.init(jax.random.key(args.seed), sample)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
-  say(f"strategy: {trainer.strategy!r} on mesh {dict(trainer.mesh.shape)}")
+  try:
+    rows = trainer.local_batch_rows(args.batch_size)
+  except ValueError as e:
+    raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
+  name = strategy_name(trainer.strategy)
+  for line in banner.lines(trainer, state, devices or jax.devices(), name):
+    say(line)
   if jax.process_count() > 1:
     say(f"processes: {jax.process_count()}, {jax.local_device_count()} devices each")
   if trainer.plan.description:
     say(trainer.plan.description)
-  steps_per_epoch = len(data.train_labels) // args.batch_size
-  examples = 0
-  train_time = 0.0
+  used = int(trainer.mesh.devices.size)
+  steps_per_epoch = data.steps_per_epoch
+  timed_examples = 0
+  timed_seconds = 0.0
   step = 0
   skipped: list[int] = []
-  accuracy = float("nan")
+  accuracy = None
   ckpt = None
   first_epoch, skip_batches = 0, 0
   resume_step = None
@@ -506,12 +763,29 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
       ckpt.close()
     raise UsageError(f"metrics file {metrics_path}: {e}") from None
   records = history.records
-  record = history.append
+  # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
+  purge = None if resume_step is None else resume_step + 1
+  board = tensorboard_log.ScalarWriter(log_dir, purge) if log_dir is not None else None
+
+  def record(row: dict) -> None:
+    history.append(row)
+    if board is not None:
+      board.write(row["step"], row)
+
+  def evaluate(epoch: int) -> float | None:
+    if data.eval_batches is None:
+      return None
+    accuracy = run_data.eval_accuracy(trainer, state, data.eval_batches(), args.batch_size, rows)
+    if accuracy is not None:
+      record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
+    return accuracy
+
   if resume_step is not None:
     say(
       f"resumed from {ckpt.directory} at step {step} (epoch {first_epoch + 1}, "
       f"batch {skip_batches})"
     )
+  first_step = step + 1  # compiles: not timed
 
   def position(epoch: int, batch: int) -> dict:
     if batch == steps_per_epoch:
@@ -519,69 +793,110 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
             "batch_size": args.batch_size, "config": _run_config(args)}  # fmt: skip
 
+  window: list[float] = []  # finite losses since the last logged row
+  window_steps, window_seconds = 0, 0.0
+
+  def log(epoch: int, loss: float, metrics: dict) -> None:
+    """One row for the steps since the last: their mean loss and examples/s."""
+    nonlocal window, window_steps, window_seconds
+    row = {
+      "step": step,
+      "epoch": epoch + 1,
+      "loss": float(np.mean(window)) if window else loss,
+      "grad_norm": float(metrics["grad_norm"]),
+      "examples_per_s": window_steps * args.batch_size / window_seconds,
+      "learning_rate": float(lr_schedule(step - 1)),
+      "skipped_steps": len(skipped),
+    }
+    if skipped and skipped[-1] > step - window_steps:
+      row["skipped"] = True
+    record(row)
+    if args.no_progress and args.log_every > 1:
+      say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
+    window, window_steps, window_seconds = [], 0, 0.0
+
+  epoch = first_epoch
+  batch_in_epoch = skip_batches
   try:
     for epoch in range(first_epoch, args.epochs):
       if args.steps is not None and step >= args.steps:
         break
-      order = datasets.batch_indices(
-        len(data.train_labels), args.batch_size, seed=args.seed, epoch=epoch
-      )
+      batches = data.train_epoch(epoch)
       if epoch == first_epoch and skip_batches:
-        order = itertools.islice(order, skip_batches, None)
+        batches = itertools.islice(batches, skip_batches, None)
       batch_in_epoch = skip_batches if epoch == first_epoch else 0
       bar = tqdm(
-        order,
+        batches,
         total=steps_per_epoch,
         desc=f"epoch {epoch + 1}/{args.epochs}",
         initial=batch_in_epoch,
         disable=args.no_progress or jax.process_index() != 0,
         leave=True,
       )
-      start = time.perf_counter()
-      for index in bar:
-        mine = index[rows]  # this process loads only its own rows of the global batch
+      epoch_losses = []
+      epoch_start_step = step
+      for batch in bar:
+        if jax.process_count() > 1:  # this process passes only its own rows of the batch
+          batch = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         tick = time.perf_counter()
         try:
-          state, metrics = trainer.step(state, (data.train_images[mine], data.train_labels[mine]))
+          state, metrics = trainer.step(state, batch)
         except (TypeError, ValueError) as e:
           raise UsageError(str(e)) from None
         step += 1
         if "labels_in_range" in metrics and not bool(metrics["labels_in_range"]):
-          classes = trainer._num_classes(data.train_images[:1])  # noqa: SLF001
+          classes = trainer._num_classes(data.sample_inputs())  # noqa: SLF001
           raise TrainingError(
             f"step {step}: batch {batch_in_epoch + 1} of epoch {epoch + 1} has labels outside "
             f"[0, {classes}), the model's classes; stopping (nothing of this step is saved)"
           )
-        loss = float(metrics["loss"])
-        rate = args.batch_size / (time.perf_counter() - tick)
-        row = {"step": step, "epoch": epoch + 1, "loss": loss, "examples_per_s": rate}
-        if not bool(metrics["finite"]):
+        loss = float(metrics["loss"])  # waits for the step
+        seconds = time.perf_counter() - tick
+        if step > first_step:
+          timed_examples += args.batch_size
+          timed_seconds += seconds
+        window_steps, window_seconds = window_steps + 1, window_seconds + seconds
+        finite = bool(metrics["finite"])
+        if not finite:
           if args.stop_on_nonfinite:
             raise TrainingError(
               f"step {step} (epoch {epoch + 1}): the loss or gradients are not finite "
               f"(loss {loss}); stopping before the update"
             )
           skipped.append(step)
-          row["skipped"] = True
-        record(row)
+        else:
+          window.append(loss)
+          epoch_losses.append(loss)
         batch_in_epoch += 1
+        if step % args.log_every == 0:
+          log(epoch, loss, metrics)
         if ckpt is not None:
           ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step)
         if not args.no_progress:
           bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if args.eval_every and step % args.eval_every == 0:
+          accuracy = evaluate(epoch)
+          if args.no_progress and accuracy is not None:
+            say(f"step {step}: eval accuracy {accuracy:.4f}")
         if args.steps is not None and step >= args.steps:
           break
-      jax.block_until_ready(state)
-      if epoch > first_epoch:  # the first epoch includes compilation
-        train_time += time.perf_counter() - start
-        examples += steps_per_epoch * args.batch_size
-      accuracy = _accuracy(
-        trainer, state, data.eval_images, data.eval_labels, args.batch_size, rows
-      )
-      record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
-      say(f"epoch {epoch + 1}: loss {loss:.4f}, eval accuracy {accuracy:.4f}")
+      if step == epoch_start_step:  # e.g. a generator, exhausted by the previous epoch
+        say(f"epoch {epoch + 1}: the train data had no batches left; stopping")
+        break
+      if not (args.eval_every and step % args.eval_every == 0):
+        accuracy = evaluate(epoch)
+      shown = "" if accuracy is None else f", eval accuracy {accuracy:.4f}"
+      if epoch_losses:
+        mean = float(np.mean(epoch_losses))
+        if board is not None:
+          board.write(step, {"epoch_loss": mean})
+        say(f"epoch {epoch + 1}: loss {mean:.4f} (mean of {len(epoch_losses)} steps){shown}")
+      else:
+        say(f"epoch {epoch + 1}: no finite loss (every step was skipped){shown}")
       if args.steps is not None and step >= args.steps:
         break
+    if window_steps:  # the last steps, fewer than --log-every
+      log(epoch, loss, metrics)
     if ckpt is not None:
       ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
@@ -590,12 +905,18 @@ def _train_one(args, strategy, model, data, metrics_path, say) -> dict:
     finally:
       if ckpt is not None:
         ckpt.close()
-  rate = examples / train_time if train_time else float("nan")
-  say(f"eval accuracy: {accuracy:.4f} on {len(data.eval_labels)} examples ({data.source})")
-  say(
-    f"throughput: {rate:,.0f} examples/s (epochs after the first) on "
-    f"{jax.device_count()} {jax.devices()[0].platform} devices"
-  )
+      if board is not None:
+        board.close()
+  if accuracy is not None:
+    say(f"eval accuracy: {accuracy:.4f} ({data.description})")
+  platform = trainer.mesh.devices.flat[0].platform
+  if timed_seconds:
+    throughput = f"{timed_examples / timed_seconds:,.0f} examples/s over the "
+    timed_steps = timed_examples // args.batch_size
+    throughput += f"{timed_steps:,} step{'s' * (timed_steps != 1)} after the first (compiling) one"
+  else:
+    throughput = "not measured (only the first, compiling, step ran)"
+  say(f"throughput: {throughput}, on {used} of {len(devices) or used} {platform} devices")
   say(f"mesh: {dict(trainer.mesh.shape)}")
   if skipped:
     say(f"skipped {len(skipped)} update(s) with non-finite loss or gradients: steps {skipped}")
@@ -614,7 +935,7 @@ def schedule(args: argparse.Namespace) -> None:
   print(table)
   formula = schedule_lib.THEORY[table.name][0]
   print(
-    f"bubble fraction: {table.bubble_fraction():.4f} measured, "
+    f"bubble fraction: {table.bubble_fraction():.4f} idle share of the tick table, "
     f"{table.theoretical_bubble():.4f} theory {formula}; "
     f"peak live activations per stage: {table.max_live_activations()}"
   )
@@ -649,7 +970,11 @@ def list_strategies() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
   parser = build_parser()
-  args = parser.parse_args(argv)
+  try:
+    args = parse_args(parser, argv)
+  except UsageError as e:
+    print(f"parstrat train: error: {e}", file=sys.stderr)
+    return 2
   try:
     if args.command == "train":
       train(args)

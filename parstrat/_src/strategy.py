@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from parstrat._src import checks
 from parstrat._src import distributed
+from parstrat._src import messages
 from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
 from parstrat._src import trees
@@ -453,9 +454,7 @@ def build_mesh(
   total = int(np.prod(list(sizes.values())))
   if total > len(devs):
     described = " x ".join(f"{name}={size}" for name, size in sizes.items())
-    raise ValueError(
-      f"The mesh {described} needs {total} devices, but only {len(devs)} are available."
-    )
+    raise messages.TooFewDevicesError(described, total, len(devs), devs[0].platform)
   shape = tuple(int(s) for s in sizes.values())
   return jax.make_mesh(
     shape,
@@ -528,6 +527,7 @@ class Trainer:
     if accumulate < 1:
       raise ValueError(f"accumulate must be a positive integer, got {accumulate!r}.")
     self.policy = precision_lib.resolve_policy(precision)
+    self.precision = precision
     self.accumulate = int(accumulate)
     self.strategy = strategy
     self.model = model
@@ -557,7 +557,9 @@ class Trainer:
 
   def __repr__(self) -> str:
     mesh = "chosen at init" if self.mesh is None else dict(self.mesh.shape)
-    return f"Trainer({self.strategy!r}, mesh={mesh})"
+    extra = f", precision={self.precision!r}" if self.precision is not None else ""
+    extra += f", accumulate={self.accumulate}" if self.accumulate != 1 else ""
+    return f"Trainer({self.strategy!r}, mesh={mesh}{extra})"
 
   # ----------------------------------------------------------------- batches
   def _inputs_of(self, batch: Batch) -> Any:
@@ -866,14 +868,16 @@ class Trainer:
     split = self._batch_split()
     multiple = split * self.plan.batch_multiple * accumulate
     if batch < 1 or batch % multiple:
-      detail = f"{split} device(s) along {self.plan.batch_spec}"
-      if self.plan.batch_multiple > 1:
-        detail += f" x {self.plan.batch_multiple} microbatches"
-      if accumulate > 1:
-        detail += f" x accumulate={accumulate}"
       raise ValueError(
-        f"The batch size of {what} must be a positive multiple of {multiple} "
-        f"({detail}), got {batch}."
+        messages.batch_size_message(
+          what,
+          batch,
+          str(self.plan.batch_spec),
+          split,
+          self.plan.batch_multiple,
+          getattr(self.strategy, "microbatches", 0) is None,
+          accumulate,
+        )  # fmt: skip
       )
 
   def local_batch_rows(self, global_batch: int) -> slice:

@@ -1,0 +1,75 @@
+"""Error messages that say what to change: valid batch sizes, how to get more devices."""
+
+from __future__ import annotations
+
+
+def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
+  """The multiples of `multiple` just below (None if there is none) and just above `value`.
+
+  Example:
+    >>> nearest_multiples(256, 3)
+    (255, 258)
+    >>> nearest_multiples(2, 3)
+    (None, 3)
+  """
+  below = value // multiple * multiple
+  return (below or None), below + multiple
+
+
+def batch_size_message(
+  what: str, batch: int, split: str, ways: int, microbatches: int, default_microbatches: bool,
+  accumulate: int,
+) -> str:  # fmt: skip
+  """The batch-size error: what the size must divide by, why, and the nearest valid sizes.
+
+  Args:
+    what: the batch's name ("the global batch", "images").
+    batch: its size.
+    split: the devices it is split over, in words.
+    ways: how many ways it is split.
+    microbatches: the plan's microbatches (1 for none).
+    default_microbatches: whether the user left `microbatches` to its default.
+    accumulate: gradient-accumulation microsteps.
+
+  Example:
+    >>> msg = batch_size_message("the global batch", 256, "P('data',)", 1, 3, True, 1)
+    >>> "must be a positive multiple of 3" in msg and "3 microbatches (default" in msg
+    True
+    >>> msg.endswith("got 256; the nearest valid sizes are 255 and 258.")
+    True
+  """
+  multiple = ways * microbatches * accumulate
+  detail = f"{ways} device(s) along {split}"
+  if microbatches > 1:
+    detail += f" x {microbatches} microbatches"
+    if default_microbatches:
+      detail += " (default: one per stage)"
+  if accumulate > 1:
+    detail += f" x accumulate={accumulate}"
+  below, above = nearest_multiples(batch, multiple)
+  nearest = f"{below} and {above}" if below else f"{above}"
+  plural = "s are" if below else " is"
+  return (
+    f"The batch size of {what} must be a positive multiple of {multiple} ({detail}), "
+    f"got {batch}; the nearest valid size{plural} {nearest}."
+  )
+
+
+class TooFewDevicesError(ValueError):
+  """A mesh needs more devices than there are; says how to make virtual CPU devices.
+
+  Attributes:
+    needed: devices the mesh needs.
+    available: devices there are.
+  """
+
+  def __init__(self, mesh: str, needed: int, available: int, platform: str):
+    self.needed, self.available = needed, available
+    self.base = f"The mesh {mesh} needs {needed} devices, but only {available} are available."
+    hint = ""
+    if platform == "cpu":
+      hint = (
+        f" On CPU, make {needed} virtual devices before JAX starts: "
+        f"parstrat.testing.use_cpu_devices({needed}) (or `parstrat train --devices {needed}`)."
+      )
+    super().__init__(self.base + hint)

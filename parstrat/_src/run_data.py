@@ -1,0 +1,254 @@
+"""What `parstrat train --dataset` reads: MNIST, any tfds dataset, or the user's function.
+
+Every source becomes a `RunData`: global batches per epoch, passed to
+`trainer.step` unchanged, and `(inputs, labels)` pairs for the eval accuracy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from parstrat._src import config
+from parstrat._src import datasets
+
+#: The built-in dataset: MNIST with the bundled offline sample (`--source`).
+MNIST = "mnist"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+  """A dataset as the training loop sees it.
+
+  Attributes:
+    description: one line for the start-up banner.
+    train_epoch: epoch -> iterable of global batches (each passed to `trainer.step`).
+    steps_per_epoch: batches per epoch, or None when the source has no length.
+    eval_batches: () -> iterable of eval batches (any size), or None for no eval.
+    example: one example of a batch (every leaf with leading axis 1).
+    num_classes: the label count when known (the default MLP's output width).
+  """
+
+  description: str
+  train_epoch: Callable[[int], Iterable[Any]]
+  steps_per_epoch: int | None
+  eval_batches: Callable[[], Iterable[Any]] | None
+  example: Any
+  num_classes: int | None = None
+
+  def sample_inputs(self, model_inputs: Callable[[Any], Any] | None = None) -> Any:
+    """The model inputs of `example`, for `trainer.init`: `model_inputs(example)` when
+    the trainer takes such a function, else the first of an `(inputs, labels)` pair."""
+    return inputs_of(self.example) if model_inputs is None else model_inputs(self.example)
+
+
+def inputs_of(batch: Any) -> Any:
+  """The model's inputs in a batch: the first of a pair `(inputs, labels)`, else the batch."""
+  return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def _first_example(batch: Any) -> Any:
+  import jax
+
+  return jax.tree.map(lambda x: np.asarray(x)[:1], batch)
+
+
+def mnist(source: str, *, data_dir: str | None, batch_size: int, seed: int, log=print) -> RunData:
+  """MNIST through `parstrat.datasets.load_mnist` (tfds, else the bundled sample).
+
+  Raises:
+    ValueError: if `batch_size` exceeds the training examples.
+  """
+  data = datasets.load_mnist(source, data_dir=data_dir, log=log)
+  if batch_size > len(data.train_labels):
+    raise ValueError(
+      f"--batch-size {batch_size} exceeds the {len(data.train_labels)} training examples"
+    )
+  return RunData(
+    description=repr(data),
+    train_epoch=lambda epoch: datasets.batches(
+      data.train_images, data.train_labels, batch_size, seed=seed, epoch=epoch
+    ),
+    steps_per_epoch=len(data.train_labels) // batch_size,
+    eval_batches=lambda: [(data.eval_images, data.eval_labels)],
+    example=(data.train_images[:1], data.train_labels[:1]),
+    num_classes=10,
+  )
+
+
+def _tfds_pairs(records: list[dict], keys: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+  """Stacks tfds records into `(inputs, labels)`; uint8 images become float32 in [0, 1]."""
+  x = np.stack([np.asarray(r[keys[0]]) for r in records])
+  if x.dtype == np.uint8:
+    x = x.astype(np.float32) / 255.0
+  y = np.asarray([r[keys[1]] for r in records])
+  if np.issubdtype(y.dtype, np.integer):
+    y = y.astype(np.int32)
+  return x, y
+
+
+def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) -> RunData:
+  """Any tfds dataset with supervised keys, read through `tfds.data_source` (no TensorFlow).
+
+  Trains on split "train" in the deterministic order of `datasets.batch_indices`;
+  evaluates on "test" (or "validation" when there is no test split).
+
+  Raises:
+    ValueError: if the dataset has no (input, label) keys or too few examples.
+  """
+  import tensorflow_datasets as tfds
+
+  try:
+    train = tfds.data_source(name, split="train", data_dir=data_dir)
+  except Exception as e:  # noqa: BLE001 - tfds raises many kinds; name it in one line
+    raise ValueError(f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {e})") from e
+  info = train.dataset_info
+  keys = info.supervised_keys
+  if not keys or len(keys) != 2 or not all(isinstance(k, str) for k in keys):
+    raise ValueError(
+      f"--dataset {name!r}: the dataset has no (input, label) supervised keys; "
+      "write a dataset function (--dataset module:function) instead"
+    )
+  evaluation = None
+  for split in ("test", "validation"):
+    try:
+      evaluation = tfds.data_source(name, split=split, data_dir=data_dir)
+      break
+    except Exception:  # noqa: BLE001, S112 - the split does not exist: try the next
+      continue
+  if batch_size > len(train):
+    raise ValueError(f"--batch-size {batch_size} exceeds the {len(train)} training examples")
+  label = info.features[keys[1]] if keys[1] in info.features else None
+  classes = getattr(label, "num_classes", None)
+
+  def train_epoch(epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for index in datasets.batch_indices(len(train), batch_size, seed=seed, epoch=epoch):
+      yield _tfds_pairs([train[int(i)] for i in index], keys)
+
+  def eval_batches() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    for start in range(0, len(evaluation), batch_size):
+      stop = min(start + batch_size, len(evaluation))
+      yield _tfds_pairs([evaluation[i] for i in range(start, stop)], keys)
+
+  return RunData(
+    description=f"tfds {name}: {len(train)} train, {len(evaluation) if evaluation else 0} eval",
+    train_epoch=train_epoch,
+    steps_per_epoch=len(train) // batch_size,
+    eval_batches=eval_batches if evaluation is not None else None,
+    example=_tfds_pairs([train[0]], keys),
+    num_classes=classes,
+  )
+
+
+def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
+  """The user's dataset function: `fn(batch_size=, seed=) -> (train, eval)`.
+
+  The function gets those of `batch_size` and `seed` that it names. `train` is
+  an iterable of global batches, iterated again each epoch (a list, or an
+  object whose `__iter__` starts over), or a function epoch -> iterable; a
+  one-shot iterator (a generator) is one pass. `eval` is an iterable of
+  batches or None. Batches go to `trainer.step` unchanged.
+
+  Raises:
+    parstrat._src.config.ConfigError: if the function returns something else.
+  """
+  fn = config.load_object(spec, "--dataset")
+  result = config.call_with_known(fn, batch_size=batch_size, seed=seed) if callable(fn) else fn
+  if not (isinstance(result, (tuple, list)) and len(result) == 2):
+    raise config.ConfigError(
+      f"--dataset {spec!r} gave {type(result).__name__}; expected a pair (train, eval) of "
+      "iterables of batches (eval may be None)"
+    )
+  train, evaluation = result
+  if callable(train) and not isinstance(train, Iterable):
+    epoch_source = train
+  elif isinstance(train, Iterable):
+    epoch_source = lambda epoch: train  # noqa: E731
+  else:
+    raise config.ConfigError(
+      f"--dataset {spec!r}: train must be an iterable of batches, got {type(train).__name__}"
+    )
+  first_iter = iter(epoch_source(0))
+  try:
+    first = next(first_iter)
+  except StopIteration:
+    raise config.ConfigError(f"--dataset {spec!r}: the train data has no batches") from None
+  one_shot = iter(train) is train if isinstance(train, Iterable) else False
+  head = itertools.chain([first], first_iter) if one_shot else None
+
+  def train_epoch(epoch: int) -> Iterable[Any]:
+    if one_shot:
+      return head  # one pass in all; later epochs find it exhausted
+    return epoch_source(epoch)
+
+  length = getattr(train, "__len__", None)
+  return RunData(
+    description=f"{spec}",
+    train_epoch=train_epoch,
+    steps_per_epoch=length() if length is not None else None,
+    eval_batches=(lambda: evaluation) if evaluation is not None else None,
+    example=_first_example(first),
+  )
+
+
+def load(
+  spec: str,
+  *,
+  source: str = "auto",
+  data_dir: str | None = None,
+  batch_size: int,
+  seed: int,
+  log=print,
+) -> RunData:
+  """`--dataset`: "mnist", a tfds name, or `module:function` / `file.py:function`."""
+  if spec == MNIST:
+    return mnist(source, data_dir=data_dir, batch_size=batch_size, seed=seed, log=log)
+  if ":" in spec:
+    return from_function(spec, batch_size=batch_size, seed=seed)
+  return from_tfds(spec, data_dir=data_dir, batch_size=batch_size, seed=seed)
+
+
+def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows) -> float | None:
+  """Top-1 accuracy over `(inputs, labels)` batches of any size, computed with `trainer.apply`.
+
+  Each batch is cut into pieces of `batch_size`; the last piece is padded with
+  zeros (padding is not counted). With several processes, each passes its own
+  `rows` and the outputs are gathered.
+
+  Returns:
+    The accuracy, or None when the batches are not `(inputs, labels)` pairs
+    whose integer labels match the outputs' leading shape.
+  """
+  import jax
+  from jax.experimental import multihost_utils
+
+  correct = total = 0
+  for batch in batches:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+      return None
+    inputs, labels = batch[0], np.asarray(batch[1])
+    if not np.issubdtype(labels.dtype, np.integer):
+      return None
+    for start in range(0, len(labels), batch_size):
+      y = labels[start : start + batch_size]
+      n = len(y)
+
+      def piece(x, start=start, n=n):
+        x = np.asarray(x)[start : start + n]
+        if n < batch_size:
+          x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
+        return x[rows]
+
+      outputs = trainer.apply(state, jax.tree.map(piece, inputs))
+      outputs = np.asarray(multihost_utils.process_allgather(outputs, tiled=True))[:n]
+      if outputs.shape[:-1] != y.shape:
+        return None
+      correct += int(np.sum(outputs.argmax(-1) == y))
+      total += n
+  return correct / total if total else None

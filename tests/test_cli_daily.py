@@ -1,0 +1,320 @@
+"""`parstrat train` as a daily tool: config files, your model and data, TensorBoard, banners."""
+
+import json
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from parstrat._src import cli
+from parstrat._src import config
+from parstrat._src import optimizers
+
+USER_FILE = """
+import haiku as hk
+import numpy as np
+import optax
+
+
+def model():
+  net = hk.transform(lambda x: hk.nets.MLP([16, 16, 4])(x))
+
+  def loss_fn(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  return net, loss_fn
+
+
+def data(batch_size, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(8 * batch_size, 12)).astype(np.float32)
+  y = x[:, :4].argmax(-1).astype(np.int32)
+  train = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+  return train, [(x[:50], y[:50])]
+"""
+
+
+def read_scalars(directory) -> dict[str, list[tuple[int, float]]]:
+  """Reads TensorBoard event files (TFRecord framing of `Event` protos) without TensorFlow."""
+  from tensorboardX.proto import event_pb2
+
+  scalars = {}
+  files = sorted(pathlib.Path(directory).glob("events.out.tfevents.*"))
+  assert files, f"no event file in {directory}"
+  for path in files:
+    raw, i = path.read_bytes(), 0
+    while i < len(raw):
+      (length,) = struct.unpack("<Q", raw[i : i + 8])
+      event = event_pb2.Event.FromString(raw[i + 12 : i + 12 + length])
+      i += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_your_model_and_dataset_from_a_config_file_with_tensorboard(tmp_path, monkeypatch, capsys):
+  (tmp_path / "mymodel.py").write_text(USER_FILE)
+  run = tmp_path / "run"
+  (tmp_path / "run.toml").write_text(
+    f"""
+model-fn = "{tmp_path / "mymodel.py"}:model"
+dataset = "mymodel:data"
+strategy = "pipeline"
+stages = 3
+batch_size = 24
+epochs = 1
+optimizer = "adamw"
+weight-decay = 1e-4
+lr = 0.01
+lr-schedule = "cosine"
+warmup-steps = 2
+clip-norm = 1.0
+log-every = 2
+eval-every = 3
+no-progress = true
+out = "{run}"
+"""
+  )
+  monkeypatch.chdir(tmp_path)  # `mymodel:data` is imported from the current directory
+  # The flags win over the file; --steps 15 stops one step before the end of epoch 2.
+  assert cli.main(["train", "--config", "run.toml", "--epochs", "2", "--steps", "15"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert "devices: 3 of 8 cpu devices used, 5 idle" in out
+  assert "options: schedule=1f1b, microbatches=3 (default: one per stage), non-finite steps " \
+    "skipped" in out  # fmt: skip
+  assert "warning: 5 of 8 devices idle: the mesh data=1 x stage=3 uses 3" in out
+  # The largest stage is linear_1, 16 x 16 + 16 = 272 float32 (1.06 KiB) on every device;
+  # AdamW keeps two of those, plus its step counters.
+  state = next(x for x in out if x.startswith("state per device: params "))
+  assert state.startswith("state per device: params 1.06 KiB + optimizer 2.1")
+  throughput = next(x for x in out if x.startswith("throughput:"))
+  assert "over the 14 steps after the first" in throughput
+  assert throughput.endswith("on 3 of 8 cpu devices")
+  assert "mesh: {'data': 1, 'stage': 3}" in out
+  assert [x.split(":")[0] for x in out if "eval accuracy" in x and x.startswith("step")] == [
+    "step 3",
+    "step 6",
+    "step 9",
+    "step 12",
+    "step 15",
+  ]  # --eval-every 3, printed with --no-progress
+
+  rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if "loss" in r]
+  logged = [2, 4, 6, 8, 10, 12, 14, 15]  # every 2nd step, and the last
+  assert [r["step"] for r in steps] == logged
+  board = read_scalars(run)
+  assert [s for s, _ in board["train/loss"]] == logged
+  np.testing.assert_allclose([v for _, v in board["train/loss"]], [r["loss"] for r in steps],
+                             rtol=1e-6)  # fmt: skip
+  schedule = optimizers.learning_rate_schedule(0.01, schedule="cosine", warmup_steps=2,
+                                               total_steps=15)  # fmt: skip
+  np.testing.assert_allclose(
+    [v for _, v in board["train/learning_rate"]], [float(schedule(s - 1)) for s in logged],
+    rtol=1e-5, atol=1e-9,
+  )  # fmt: skip
+  assert all(v > 0 for _, v in board["train/grad_norm"] + board["train/examples_per_s"])
+  assert [v for _, v in board["train/skipped_steps"]] == [0] * 8
+  assert [r["examples_per_s"] > 0 for r in steps] == [True] * 8
+  assert sorted(s for s, _ in board["eval/accuracy"]) == [3, 6, 8, 9, 12, 15]
+  # The epoch loss is the mean over the epoch's steps; a row's loss is the mean of its steps.
+  epoch_loss = dict(board["train/epoch_loss"])
+  losses = [r["loss"] for r in steps]
+  assert epoch_loss[8] == pytest.approx(np.mean(losses[:4]), rel=1e-5)
+  assert epoch_loss[15] == pytest.approx((2 * sum(losses[4:7]) + losses[7]) / 7, rel=1e-5)
+  assert f"epoch 2: loss {epoch_loss[15]:.4f} (mean of 7 steps)" in " ".join(out)
+  assert epoch_loss[15] < epoch_loss[8]  # it learns
+
+
+def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):
+  args = ["train", "--compare", "data_parallel,tensor", "--data", "2", "--tensor-parallel", "3",
+          "--dataset", "fashion_mnist", "--hidden", "16", "--batch-size", "12", "--epochs", "1",
+          "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+  with tfds.testing.mock_data(num_examples=48):
+    assert cli.main(args) == 0
+  captured = capsys.readouterr()
+  out = captured.out
+  warnings = [x for x in captured.err.splitlines() if "deprecated" in x]
+  assert warnings == ["parstrat: warning: --data is deprecated and will be removed; use "
+                      "--data-parallel"]  # fmt: skip
+  assert "data: tfds fashion_mnist: 48 train, 48 eval" in out
+  assert "devices: 2 of 8 cpu devices used, 6 idle" in out
+  assert "devices: 3 of 8 cpu devices used, 5 idle" in out
+  assert "warning: tensor parallelises (almost) nothing here" in out
+  assert out.count("warning: data_parallel parallelises") == 0
+  summaries = [x for x in out.splitlines() if x.startswith("throughput:")]
+  assert len(summaries) == 2 and "nan" not in out
+  assert summaries[0].endswith("on 2 of 8 cpu devices")
+  assert summaries[1].endswith("on 3 of 8 cpu devices")
+  for name in ("data_parallel", "tensor"):
+    board = read_scalars(tmp_path / name)
+    assert [s for s, _ in board["train/loss"]] == [1, 2, 3, 4]
+    assert 0.0 <= board["eval/accuracy"][0][1] <= 1.0
+
+
+@pytest.fixture()
+def parse():
+  parser = cli.build_parser()
+  return lambda *argv: cli.parse_args(parser, list(argv))
+
+
+def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
+  path = tmp_path / "run.toml"
+  path.write_text(
+    'strategy = "hybrid"\ndata-parallel = 2\nhidden = [64, 32]\nbatch_size = 128\n'
+    "no-progress = true\nstop-on-nonfinite = false\n"
+  )
+  args = parse("train", "--config", str(path), "--batch-size", "64")
+  assert (args.strategy, args.data, args.hidden, args.batch_size) == ("hybrid", 2, [64, 32], 64)
+  assert args.no_progress and not args.stop_on_nonfinite
+  path.write_text("[train]\nepochs = 7\n")  # a [train] table works too
+  assert parse("train", "--config", str(path)).epochs == 7
+
+
+@pytest.mark.parametrize(
+  "text, message",
+  [
+    ("batchsize = 3", "run.toml: unknown key 'batchsize'; did you mean 'batch-size'?"),
+    ("epochs = 0", "run.toml: epochs = 0: expected a positive integer, got 0"),
+    ('schedule = "zigzag"', "run.toml: schedule = 'zigzag': choose one of gpipe, 1f1b"),
+    ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
+    ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
+    ("epochs = ", "run.toml: not valid TOML"),
+  ],
+)
+def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys, text, message):
+  monkeypatch.chdir(tmp_path)
+  pathlib.Path("run.toml").write_text(text + "\n")
+  assert cli.main(["train", "--config", "run.toml"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "\n" not in err
+
+
+def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
+  (tmp_path / "mymodel.py").write_text(USER_FILE)
+  monkeypatch.chdir(tmp_path)
+  model, options = config.load_model("mymodel:model")
+  assert callable(model.init) and list(options) == ["loss_fn"] and callable(options["loss_fn"])
+  (tmp_path / "as_dict.py").write_text(
+    "from mymodel import model as pair\n"
+    "def model(seed):\n"
+    "  net, loss = pair()\n"
+    "  return {'model': net, 'loss_fn': loss, 'seed_seen': seed}\n"
+  )
+  model, options = config.load_model("as_dict:model", seed=7)  # gets the seed it names
+  assert callable(model.apply) and options["seed_seen"] == 7 and callable(options["loss_fn"])
+  fn = config.load_object(str(tmp_path / "mymodel.py") + ":data", "--dataset")
+  train, evaluation = fn(batch_size=4, seed=0)
+  assert len(train) == 8 and train[0][0].shape == (4, 12)
+  with pytest.raises(config.ConfigError, match=r"'mymodel:modle': mymodel has no attribute "
+                     r"'modle'; did you mean 'model'\?"):  # fmt: skip
+    config.load_object("mymodel:modle", "--model-fn")
+  for spec, message in [
+    ("mymodel", "expected 'package.module:function' or 'path/to/file.py:function'"),
+    ("nosuchmodule:f", "no module named 'nosuchmodule'"),
+    ("missing.py:f", "no file missing.py"),
+  ]:
+    with pytest.raises(config.ConfigError, match=message):
+      config.load_object(spec, "--model-fn")
+  (tmp_path / "broken.py").write_text("raise RuntimeError('JAX already started')\n")
+  with pytest.raises(config.ConfigError, match="importing broken.py failed: RuntimeError: JAX"):
+    config.load_object("broken.py:model", "--model-fn")
+  (tmp_path / "bad.py").write_text("def model():\n  return 3\n")
+  with pytest.raises(config.ConfigError, match="gave int; expected an hk.Transformed"):
+    config.load_model("bad:model")
+
+
+def test_optimizers_by_name_and_schedules():
+  import optax
+
+  for name in optimizers.OPTIMIZERS:
+    for decay in (0.0, 1e-4):
+      tx = optimizers.make_optimizer(name, 1e-3, weight_decay=decay, clip_norm=1.0)
+      assert isinstance(tx, optax.GradientTransformation)
+  with pytest.raises(ValueError, match="Unknown optimizer 'adamm'; did you mean 'adam'"):
+    optimizers.make_optimizer("adamm", 1e-3)
+  with pytest.raises(ValueError, match="pass --steps"):
+    optimizers.learning_rate_schedule(1.0, schedule="cosine", warmup_steps=0, total_steps=None)
+  warm = optimizers.learning_rate_schedule(2.0, schedule="constant", warmup_steps=4,
+                                           total_steps=None)  # fmt: skip
+  assert [float(warm(i)) for i in (0, 2, 4, 100)] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_help_shows_every_default_and_version(capsys):
+  parser = cli.build_parser()
+  train = cli._train_parser(parser)
+  for action in train._actions:
+    assert action.help, f"{action.option_strings} has no help"
+  text = train.format_help()
+  for flag in ("--batch-size", "--optimizer", "--lr-schedule", "--log-every", "--dataset"):
+    assert flag in text
+  assert "(default: 256)" in text and "(default: adam)" in text and "(default: mnist)" in text
+  schedule = next(a for a in parser._actions if a.dest == "command").choices["schedule"]
+  assert "(default: 1f1b)" in schedule.format_help()
+  with pytest.raises(SystemExit):
+    cli.main(["--version"])
+  assert capsys.readouterr().out.strip() == "parstrat 0.1.0"
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["--strategy", "pipeline", "--stages", "3", "--batch-size", "64"],
+     "multiple of 3 (1 device(s) along P('data',) x 3 microbatches (default: one per stage)), "
+     "got 64; the nearest valid sizes are 63 and 66."),
+    (["--strategy", "pipeline", "--stages", "4", "--devices", "2"],
+     "needs 4 devices, but only 2 are available. Pass --devices 4"),
+  ],
+)  # fmt: skip
+def test_errors_say_what_to_change(argv, message, capsys):
+  common = ["train", "--source", "sample", "--hidden", "16", "16", "16", "--steps", "1"]
+  assert cli.main([*common, *argv]) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and "\n" not in err
+
+
+def test_library_messages_name_options_and_the_device_hint():
+  import haiku as hk
+  import jax
+  import optax
+
+  import parstrat
+
+  model = hk.transform(lambda x: hk.nets.MLP([8, 4])(x))
+  trainer = parstrat.DataParallel(data=2)(
+    model, optax.sgd(0.1), precision="mixed_bfloat16", accumulate=2
+  )
+  assert repr(trainer) == (
+    "Trainer(DataParallel(data=2), mesh={'data': 2}, precision='mixed_bfloat16', accumulate=2)"
+  )
+  hint = r"only 1 are available\. On CPU, make 2 virtual .*parstrat\.testing\.use_cpu_devices\(2\)"
+  with pytest.raises(ValueError, match=hint):
+    parstrat.build_mesh({"data": 2}, jax.devices()[:1])
+
+
+def test_on_an_accelerator_the_device_hint_points_at_virtual_cpu_devices():
+  import types
+
+  from parstrat._src.messages import TooFewDevicesError
+
+  gpus = [types.SimpleNamespace(platform="gpu")]
+  error = TooFewDevicesError("stage=2", 2, 1, "gpu")
+  assert str(error) == "The mesh stage=2 needs 2 devices, but only 1 are available."
+  assert cli._devices_hint(error, gpus) == (
+    "The mesh stage=2 needs 2 devices, but only 1 are available. To try it on virtual CPU "
+    "devices: JAX_PLATFORMS=cpu parstrat train --devices 2."
+  )
+
+
+def test_a_mesh_axis_that_splits_only_padding_is_named(capsys):
+  # 16-wide layers do not split over model=3: Hybrid keeps a 1-element "split" buffer.
+  args = ["train", "--strategy", "hybrid", "--data-parallel", "1", "--stages", "2",
+          "--tensor-parallel", "3", "--hidden", "16", "16", "16", "--steps", "1", "--epochs", "1",
+          "--source", "sample", "--no-progress", "--batch-size", "64"]  # fmt: skip
+  assert cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert "warning: mesh axis 'model' (3 devices) splits (almost) nothing here" in out
+  assert "mesh axis 'stage'" not in out and "parallelises" not in out
+  assert "throughput: not measured (only the first, compiling, step ran), on 6 of 8" in out
