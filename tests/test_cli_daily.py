@@ -318,3 +318,35 @@ def test_a_mesh_axis_that_splits_only_padding_is_named(capsys):
   assert "warning: mesh axis 'model' (3 devices) splits (almost) nothing here" in out
   assert "mesh axis 'stage'" not in out and "parallelises" not in out
   assert "throughput: not measured (only the first, compiling, step ran), on 6 of 8" in out
+
+
+def test_the_cli_offers_every_schedule_and_activation_policy_of_the_library():
+  from parstrat._src.pipeline import residuals
+  from parstrat._src.pipeline import schedule
+
+  assert cli.SCHEDULES == tuple(schedule.ORDERS)
+  assert cli.ACTIVATIONS == residuals.ACTIVATIONS
+
+
+def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
+  # Every schedule and activation policy is exact, so the losses agree with 1F1B's.
+  base = ["train", "--strategy", "pipeline", "--stages", "2", "--hidden", "16", "16", "16",
+          "--steps", "3", "--epochs", "1", "--source", "sample", "--no-progress",
+          "--batch-size", "32", "--optimizer", "sgd", "--lr", "0.1"]  # fmt: skip
+  runs = {
+    "1f1b": ["--schedule", "1f1b"],
+    "zb_h1": ["--schedule", "zb_h1", "--activations", "save"],
+    "interleaved": ["--schedule", "interleaved_1f1b", "--virtual-stages", "2"],
+  }
+  losses, outputs = {}, {}
+  for name, extra in runs.items():
+    metrics = tmp_path / f"{name}.jsonl"
+    assert cli.main([*base, *extra, "--metrics", str(metrics)]) == 0
+    outputs[name] = capsys.readouterr().out
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses[name] = [r["loss"] for r in rows if "loss" in r]
+  assert len(losses["1f1b"]) == 3
+  for name in ("zb_h1", "interleaved"):
+    np.testing.assert_allclose(losses[name], losses["1f1b"], rtol=1e-5)
+  assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
+  assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]

@@ -14,6 +14,16 @@ import time
 from collections.abc import Sequence
 
 DEFAULT_DEVICES = 8
+# The library's names (`schedule.ORDERS`, `residuals.ACTIVATIONS`), spelt out so
+# that `--help` and argparse errors need no JAX import; a test keeps them equal.
+SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b")
+ACTIVATIONS = (
+  "recompute",
+  "save",
+  "dots_saveable",
+  "dots_with_no_batch_dims_saveable",
+  "nothing_saveable",
+)
 
 
 class UsageError(Exception):
@@ -239,9 +249,22 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument(
     "--schedule",
-    choices=("gpipe", "1f1b"),
+    choices=SCHEDULES,
     default=None,
     help="pipeline schedule (default: the strategy's, 1f1b)",
+  )
+  train.add_argument(
+    "--virtual-stages",
+    type=_positive,
+    default=None,
+    help="model chunks per device for --schedule interleaved_1f1b (default: 2)",
+  )
+  train.add_argument(
+    "--activations",
+    choices=ACTIVATIONS,
+    default=None,
+    help="what a pipeline stage keeps from its forward for its backward "
+    "(default: the strategy's, recompute)",
   )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
@@ -314,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
   sched.add_argument("--microbatches", type=_positive, required=True, help="microbatches M")
   sched.add_argument(
     "--schedule",
-    choices=("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"),
+    choices=SCHEDULES,
     default="1f1b",
     help="the schedule to build",
   )
@@ -374,7 +397,9 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   from parstrat._src import distributed
 
   config = {}
-  for key in ("data", "stages", "model", "microbatches", "schedule", "zero", "memory_budget"):
+  keys = ("data", "stages", "model", "microbatches", "schedule", "virtual_stages", "activations",
+          "zero", "memory_budget")  # fmt: skip
+  for key in keys:
     value = getattr(args, key)
     if value is not None:
       config[key] = value
