@@ -240,7 +240,9 @@ def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
   png, table = tmp_path / "zb.png", tmp_path / "zb.csv"
   args = ["schedule", "--stages", "4", "--microbatches", "8", "--schedule", "zb_h1"]
   assert cli.main([*args, "--out", str(png), "--csv", str(table)]) == 0
-  assert "0.1111 measured, 0.1111 theory (P-1)/(3M+P-1)" in capsys.readouterr().out
+  assert (
+    "0.1111 idle share of the tick table, 0.1111 theory (P-1)/(3M+P-1)" in capsys.readouterr().out
+  )
   assert pipeline.to_csv(pipeline.build_schedule("zb_h1", 4, 8)) == table.read_text()
   pixels = {
     tuple(p)
