@@ -11,6 +11,7 @@ import tensorflow_datasets as tfds
 from parstrat._src import cli
 from parstrat._src import config
 from parstrat._src import optimizers
+from parstrat._src import run_data
 
 USER_FILE = """
 import haiku as hk
@@ -350,3 +351,20 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
     np.testing.assert_allclose(losses[name], losses["1f1b"], rtol=1e-5)
   assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
   assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]
+
+
+def test_eval_accuracy_counts_every_label_of_a_sequence_once():
+  class OneHotOfInputs:  # a "trainer" whose outputs predict each input token itself
+    def apply(self, state, tokens):
+      return np.eye(5, dtype=np.float32)[np.asarray(tokens)]
+
+  tokens = np.array([[1, 2, 3], [0, 0, 0], [4, 4, 4]], np.int32)
+  labels = tokens.copy()
+  labels[0, 0] = 2  # 8 of 9 tokens right; pieces of 2 rows, the last one padded
+  accuracy = run_data.eval_accuracy(OneHotOfInputs(), None, [(tokens, labels)], 2, slice(None))
+  assert accuracy == pytest.approx(8 / 9)
+  # [B] labels: the share of examples (a one-token "sequence" per example).
+  accuracy = run_data.eval_accuracy(
+    OneHotOfInputs(), None, [(tokens[:, 0], np.array([1, 1, 4]))], 2, slice(None)
+  )
+  assert accuracy == pytest.approx(2 / 3)

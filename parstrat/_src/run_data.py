@@ -217,6 +217,8 @@ def load(
 def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows) -> float | None:
   """Top-1 accuracy over `(inputs, labels)` batches of any size, computed with `trainer.apply`.
 
+  Every label counts once: with `[B]` labels it is the share of examples, with
+  `[B, T]` labels (a sequence model) the share of tokens predicted right.
   Each batch is cut into pieces of `batch_size`; the last piece is padded with
   zeros (padding is not counted). With several processes, each passes its own
   `rows` and the outputs are gathered.
@@ -250,5 +252,5 @@ def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows)
       if outputs.shape[:-1] != y.shape:
         return None
       correct += int(np.sum(outputs.argmax(-1) == y))
-      total += n
+      total += y.size
   return correct / total if total else None
