@@ -304,3 +304,22 @@ def test_a_custom_strategy_on_its_own_axis_pays_its_gradient_traffic():
   assert custom.latency_s == pytest.approx(dp.latency_s) and custom.latency_s > 0
   assert custom.compute_s == pytest.approx(dp.compute_s)
   assert custom.problem == ""
+
+
+def test_a_loss_over_other_labels_is_named_once_with_what_to_pass():
+  model = hk.transform(lambda tokens: hk.Linear(7)(hk.Embed(7, 8)(tokens)))
+
+  def per_position(logits, labels):  # labels [B, T]: one class per token
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  tokens = np.zeros((8, 5), np.int32)
+  auto = parstrat.Auto(devices=jax.devices()[:2], batch_size=8, verbose=False)
+  with pytest.raises(ValueError, match=r"labels shaped \[B\] int32 .*Pass sample_batch="):
+    auto(model, optax.sgd(0.1), loss_fn=per_position).init(jax.random.key(0), tokens[:1])
+  # With the batch's layout, or the labels' shape, the candidates measure and one is chosen.
+  trainer = auto(model, optax.sgd(0.1), loss_fn=per_position)
+  trainer.init(jax.random.key(0), tokens[:1], sample_batch=(tokens, tokens))
+  assert trainer.choice.strategy is not None
+  shaped = dataclasses.replace(auto, label_shape=(5,), candidates=("data_parallel",))
+  choice = shaped.choose(model, optax.sgd(0.1), tokens, loss_fn=per_position)
+  assert type(choice.strategy) is parstrat.DataParallel

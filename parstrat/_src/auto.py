@@ -476,6 +476,29 @@ class Auto(Strategy):
     measured = self.measure(model, optimizer, sample_inputs, **trainer_options)
     return rank(measured, self.memory_budget)
 
+  def _check_labels(self, loss_fn, model, abstract_params, abstract_state, sample) -> None:
+    """Raises a ValueError if a custom `loss_fn` cannot take the labels auto measures with.
+
+    Without a `sample_batch`, every candidate's step is lowered on labels of
+    `label_shape` and `label_dtype`; a loss over other labels (per position,
+    one-hot, ...) would fail identically in every candidate.
+    """
+    # Two rows: a loss that broadcasts wrong labels against [1, ...] outputs still fails.
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, *x.shape[1:]), x.dtype), sample)
+    labels = jax.ShapeDtypeStruct((2, *self.label_shape), self.label_dtype)
+    shape = ", ".join(map(str, ("B", *self.label_shape)))
+    apply = outputs_fn(as_stateful(model), abstract_state)
+    try:
+      jax.eval_shape(lambda p, x, y: loss_fn(apply(p, x), y), abstract_params, inputs, labels)
+    except Exception as e:  # noqa: BLE001 - the user's loss failed: say on what, in one line
+      first = str(e).splitlines()[0] if str(e) else ""
+      raise ValueError(
+        f"'auto' measures each candidate's step on labels shaped [{shape}] "
+        f"{self.label_dtype} (its label_shape and label_dtype), and the loss_fn fails on them "
+        f"({type(e).__name__}: {first}). Pass sample_batch=(inputs, labels) to init, or "
+        "Auto(label_shape=..., label_dtype=...)."
+      ) from e
+
   def measure(
     self,
     model,
@@ -504,6 +527,8 @@ class Auto(Strategy):
       lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype), sample
     )
     model_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
+    if loss_fn is not None and model_inputs is None and sample_batch is None:
+      self._check_labels(loss_fn, model, abstract_params, abstract_state, sample)
     stats_for = functools.cache(
       lambda parts: ModelStats.of(model, abstract_params, batch_inputs, parts, model_state)
     )
