@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m ruff check parstrat tests examples benchmarks
-.venv/bin/python -m pytest -q tests parstrat "$@"
+# Two workers, one test file each at a time (module fixtures compile once): one
+# process alone leaves a core idle while XLA compiles.
+.venv/bin/python -m pytest -q -n 2 --dist loadfile tests parstrat "$@"
