@@ -101,3 +101,19 @@ def test_corpus_and_batches():
   assert lm.decode(tokens[0]) in text
   again, _ = lm.dataset(batch_size=4, seq_len=8, seed=1)
   np.testing.assert_array_equal(again[5][0], train[5][0])  # deterministic per seed
+
+
+def test_a_tied_head_is_refused_naming_the_embedding_first_and_once():
+  tokens, _ = models.token_batches(1, BATCH)[0]
+  trainer = parstrat.PipelineModelParallel(stages=2)(
+    models.LM.model, optax.sgd(0.1), loss_fn=models.token_loss
+  )
+  with pytest.raises(ValueError, match="cannot be cut into 2 stages") as info:
+    trainer.init(jax.random.key(0), tokens[:1])
+  message = str(info.value)
+  # One sentence for every boundary the tied weight blocks, before any other reason.
+  assert message.split("cuttable (", 1)[1].startswith(
+    "the parameters of 'embed' are used both before and after each of the 17 layers "
+    "'block0_ln_attn' .. 'ln_final'"
+  ), message
+  assert message.count("tied across the cut") == 1, message

@@ -257,8 +257,42 @@ def _analyse(trace: _Trace) -> _Analysis:
   return _Analysis(layer_order, first_read, last_read, live, markers, eqn_layer)
 
 
-def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | None, str]:
-  """The latest single-value cut between ordered layers k-1 and k, or why none exists."""
+def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
+  """Why no cut exists before `layers`: the parameters of `tied` are read on both sides."""
+  where = (
+    f"layer {layers[0]!r}"
+    if len(layers) == 1
+    else (f"each of the {len(layers)} layers {layers[0]!r} .. {layers[-1]!r}")
+  )
+  return (
+    f"the parameters of {', '.join(map(repr, tied))} are used both before and after {where} "
+    "(a weight shared or tied across the cut, e.g. an output head that reuses the "
+    "embedding); a pipeline cannot split them"
+  )
+
+
+def _summary(reasons: dict[int, tuple[str, tuple[str, ...], str]]) -> str:
+  """The reasons no cut exists, tied weights first and each tied group in one sentence."""
+  tied: dict[tuple[str, ...], list[str]] = {}
+  other = []
+  for why, again, layer in reasons.values():
+    if again:
+      tied.setdefault(again, []).append(layer)
+    else:
+      other.append(why)
+  return "; ".join([_tied_reason(names, layers) for names, layers in tied.items()] + other)
+
+
+def _boundary_cut(
+  trace: _Trace, analysis: _Analysis, k: int
+) -> tuple[int | None, str, tuple[str, ...]]:
+  """The latest single-value cut between ordered layers k-1 and k, or why none exists.
+
+  Returns:
+    `(cut, why, tied)`: the equation index of the cut (None when there is
+    none), the reason when there is none, and the earlier layers whose
+    parameters are read on both sides (a shared or tied weight; else empty).
+  """
   order = analysis.layer_order
   before = max(analysis.last_read[layer] for layer in order[:k])
   after = min(analysis.first_read[layer] for layer in order[k:])
@@ -266,19 +300,17 @@ def _boundary_cut(trace: _Trace, analysis: _Analysis, k: int) -> tuple[int | Non
   if before >= after:
     again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
     if again != [a]:  # an earlier layer comes back: a shared or tied weight
-      return None, (
-        f"the parameters of {', '.join(map(repr, again))} are used both before and after "
-        f"layer {b!r} (a weight shared or tied across the cut, e.g. an output head that "
-        "reuses the embedding); a pipeline cannot split them"
-      )
-    return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})"
+      return None, _tied_reason(again, [b]), tuple(again)
+    return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})", ()
   for c in range(after, before, -1):
     if len(analysis.live[c]) == 1:
-      return c, ""
+      return c, "", ()
   counts = sorted({len(analysis.live[c]) for c in range(before + 1, after + 1)})
-  return None, (
+  return (
+    None,
     f"between layers {a!r} and {b!r} there is no point where a single activation "
-    f"crosses ({counts[0]} or more values are live, e.g. a skip connection)"
+    f"crosses ({counts[0]} or more values are live, e.g. a skip connection)",
+    (),
   )
 
 
@@ -408,9 +440,9 @@ def plan_stages(
   boundary = {}
   reasons = {}
   for k in range(1, n):
-    c, why = _boundary_cut(trace, analysis, k)
+    c, why, tied = _boundary_cut(trace, analysis, k)
     if c is None:
-      reasons[k] = why
+      reasons[k] = (why, tied, names[k])
     else:
       boundary[k] = c
   if cuts is not None:
@@ -427,11 +459,11 @@ def plan_stages(
       )
     bad = [k for k in starts if k not in boundary]
     if bad:
-      raise ValueError(f"Cannot cut before layer {bad[0]}: {reasons[bad[0]]}.")
+      raise ValueError(f"Cannot cut before layer {bad[0]}: {reasons[bad[0]][0]}.")
     how = "manual cut points"
   else:
     if len(boundary) < stages - 1:
-      detail = "; ".join(reasons.values())
+      detail = _summary(reasons)
       raise ValueError(
         f"The model cannot be cut into {stages} stages: only {len(boundary)} of its "
         f"{n - 1} layer boundaries are cuttable ({detail})."
