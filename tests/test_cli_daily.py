@@ -13,6 +13,8 @@ from parstrat._src import config
 from parstrat._src import optimizers
 from parstrat._src import run_data
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 USER_FILE = """
 import haiku as hk
 import numpy as np
@@ -368,3 +370,19 @@ def test_eval_accuracy_counts_every_label_of_a_sequence_once():
     OneHotOfInputs(), None, [(tokens[:, 0], np.array([1, 1, 4]))], 2, slice(None)
   )
   assert accuracy == pytest.approx(2 / 3)
+
+
+def test_the_lm_example_trains_from_the_command_line(tmp_path, capsys):
+  # examples/transformer_lm.py's entry points: its model and loss, its corpus' batches.
+  example = str(ROOT / "examples" / "transformer_lm.py")
+  args = ["train", "--model-fn", f"{example}:model", "--dataset", f"{example}:dataset",
+          "--strategy", "pipeline", "--stages", "2", "--batch-size", "8", "--steps", "2",
+          "--epochs", "1", "--no-progress", "--metrics", str(tmp_path / "m.jsonl")]  # fmt: skip
+  assert cli.main(args) == 0
+  rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+  losses = [r["loss"] for r in rows if "loss" in r]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  # Token accuracy of 96 characters after 2 steps: a share, not a count per sequence.
+  accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r][-1]
+  assert 0.0 <= accuracy <= 1.0
+  assert "stage=2" in capsys.readouterr().out
