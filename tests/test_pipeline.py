@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import haiku as hk
@@ -13,6 +14,7 @@ from helpers import mlp
 import parstrat
 import parstrat.testing
 from parstrat import pipeline
+from parstrat._src.pipeline import engine
 
 
 def _abstract(model, features=784):
@@ -303,6 +305,41 @@ def test_activation_policies_trade_memory_for_compute():
 ACTIVATIONS = ("recompute", "save", "dots_saveable")
 
 
+def test_gpipe_is_autodiff_of_the_forward_loop_and_keeps_its_params_out_of_the_ticks():
+  M = 8
+  assert engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M))
+  assert not engine.runs_by_autodiff(_table_gpipe(4, M))
+  trainer = parstrat.PipelineModelParallel(stages=4, microbatches=M, schedule="gpipe")(
+    WIDE, optax.sgd(0.1)
+  )
+  trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  assert "activations: recompute, by autodiff of the forward loop" in trainer.plan.description
+  recompute, save = (_compiled_cost(M, "gpipe", a) for a in ("recompute", "save"))
+  # "save" keeps the residuals and drops the forward rerun of "recompute".
+  assert recompute[0] < save[0] and save[1] < recompute[1], (recompute, save)
+  # Each extra microbatch (one more tick) keeps its stage input ("recompute": one slot)
+  # or its residuals, never a copy of the stage's params (4,160 floats: 8 slots).
+  for activations, most in (("recompute", 1.5), ("save", 6)):
+    costs = [_compiled_cost(m, "gpipe", activations)[0] for m in (M, 2 * M)]
+    more = costs[1] - costs[0]
+    assert M <= more <= most * M, (activations, more)
+
+
+@pytest.mark.parametrize("activations", ["save", "dots_saveable"])
+def test_gpipe_by_autodiff_matches_jit(activations):
+  # NaN in the bubbles: an idle tick's output is never read, forward or backward.
+  strategy = parstrat.PipelineModelParallel(
+    stages=4,
+    microbatches=4,
+    schedule="gpipe",
+    activations=activations,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, DEEP_MLP, [optax.sgd(0.1), optax.adam(1e-3)], steps=3, batch=16
+  )
+
+
 @pytest.mark.parametrize(
   "schedule, activations, virtual_stages",
   [("zb_h1", "save", None), ("interleaved_1f1b", "dots_saveable", 2)],
@@ -348,8 +385,16 @@ def test_each_device_holds_only_its_stage():
     assert not np.any(layout_rows[s, own.size :])
 
 
+def _table_gpipe(stages, microbatches):
+  """GPipe's table under another name, so the tick-table engine runs it (not autodiff)."""
+  table = pipeline.build_schedule("gpipe", stages, microbatches)
+  return dataclasses.replace(table, name="gpipe_table")
+
+
 def test_nan_bubbles_never_leak():
-  for schedule in ("gpipe", "1f1b"):
+  # "gpipe" runs by autodiff of the forward loop (its idle ticks send the bubble value
+  # too), the same table under another name in the tick-table engine.
+  for schedule in ("gpipe", _table_gpipe(4, 3), "1f1b"):
     strategy = parstrat.PipelineModelParallel(
       stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
     )
