@@ -332,9 +332,10 @@ def run_strategies(results, repeats):
     configs[f"pipeline {schedule}, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
       stages=STAGES, microbatches=MICRO, schedule=schedule, **options
     )
-  configs[f"pipeline 1f1b save, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
-    stages=STAGES, microbatches=MICRO, activations="save"
-  )
+  for schedule in ("gpipe", "1f1b"):
+    configs[f"pipeline {schedule} save, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
+      stages=STAGES, microbatches=MICRO, schedule=schedule, activations="save"
+    )
   configs["hybrid 2x4, M4"] = parstrat.Hybrid(data=2, stages=4, microbatches=4)
   for name, strategy in configs.items():
     trainer = strategy(model, optimizer)
@@ -444,7 +445,7 @@ def run_memory(results):
   )
   out = {}
   variants = [(name, options, "recompute") for name, options in SCHEDULES]
-  variants.append(("1f1b", {}, "save"))
+  variants += [("gpipe", {}, "save"), ("1f1b", {}, "save")]
   for schedule, options, activations in variants:
     strategy = parstrat.PipelineModelParallel(
       stages=STAGES,

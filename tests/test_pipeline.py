@@ -307,8 +307,12 @@ ACTIVATIONS = ("recompute", "save", "dots_saveable")
 
 def test_gpipe_is_autodiff_of_the_forward_loop_and_keeps_its_params_out_of_the_ticks():
   M = 8
-  assert engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M))
-  assert not engine.runs_by_autodiff(_table_gpipe(4, M))
+  params = {"w": jnp.zeros((4, 2))}
+  flat = engine.FlatLayout.build(params, ((), (), (), (0,)))
+  split = engine.SplitLayout.build(params, ((), (), (), (0,)), (0,), 2, "model")
+  assert engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M), flat)
+  assert not engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M), split)
+  assert not engine.runs_by_autodiff(_table_gpipe(4, M), flat)
   trainer = parstrat.PipelineModelParallel(stages=4, microbatches=M, schedule="gpipe")(
     WIDE, optax.sgd(0.1)
   )

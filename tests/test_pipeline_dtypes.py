@@ -31,6 +31,30 @@ def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
   assert "tensor<2x4x32xbf16>" in text
 
 
+def test_gpipe_by_autodiff_sends_bfloat16_both_ways_and_matches_one_device():
+  trainer = parstrat.PipelineModelParallel(stages=2, schedule="gpipe")(
+    MODEL, optax.sgd(0.1), precision="mixed_bfloat16"
+  )
+  images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).as_text()
+  # The forward loop's activation and its transpose's cotangent.
+  permutes = re.findall(r"collective_permute.*: \(tensor<([^>]*)>\)", text)
+  assert permutes == ["4x32xbf16", "4x32xbf16"], permutes
+  strategy = parstrat.PipelineModelParallel(stages=2, schedule="gpipe", activations="save")
+  parstrat.testing.check_strategy(
+    strategy,
+    MODEL,
+    [optax.sgd(0.1)],
+    steps=3,
+    batch=8,
+    features=FEATURES,
+    precision="mixed_bfloat16",
+    rtol=1e-3,
+    atol=1e-3,  # bfloat16: see tests/test_precision_and_accumulation.py
+  )
+
+
 def test_params_in_bfloat16_with_float32_compute_match_one_device():
   policy = "params=bfloat16,compute=float32,output=float32"
   trainer = parstrat.PipelineModelParallel(stages=2)(MODEL, optax.sgd(0.1), precision=policy)

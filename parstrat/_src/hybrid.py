@@ -158,7 +158,7 @@ def make_pipeline_plan(
     f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {sched.num_ticks} ticks, "
     f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
     f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
-    f"{', by autodiff of the forward loop' if engine.runs_by_autodiff(sched) else ''}"
+    f"{', by autodiff of the forward loop' if engine.runs_by_autodiff(sched, layout) else ''}"
   )
   plan = Plan(
     param_spec=P(STAGE),

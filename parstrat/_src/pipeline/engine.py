@@ -488,7 +488,7 @@ def pipeline_loss_and_grad(
     raise ValueError(f"The model is cut into {staged.num_stages} stages; the schedule runs {G}.")
   mb = jax.tree.leaves(inputs)[0].shape[0] // M
   xs, ys = microbatches(inputs, M), microbatches(targets, M)
-  if runs_by_autodiff(schedule):
+  if runs_by_autodiff(schedule, staged.layout):
     return _autodiff_loss_and_grad(
       staged,
       M,
@@ -628,13 +628,19 @@ def pipeline_loss_and_grad(
   return loss, grads
 
 
-def runs_by_autodiff(schedule: Schedule) -> bool:
+def runs_by_autodiff(schedule: Schedule, layout: FlatLayout | SplitLayout) -> bool:
   """Whether `pipeline_loss_and_grad` runs `schedule` as autodiff of its forward loop.
 
-  True for GPipe without virtual stages: all its forwards come before all its
-  backwards, which is exactly what `jax.grad` of a forward tick loop computes.
+  True for GPipe without virtual stages on a `FlatLayout`: all its forwards come
+  before all its backwards, which is exactly what `jax.grad` of a forward tick
+  loop computes. Not with `SplitLayout` (a "model" axis): there XLA's SPMD
+  partitioner reshards the stage's slices inside the per-stage branches of the
+  loop and of its transpose (collective-permutes and all-gathers over "model"
+  inside a `lax.switch` branch, which `hlo_check.branch_problems` refuses), so
+  that case keeps the tick-table engine.
   """
-  return schedule.name == "gpipe" and schedule.virtual_stages == 1
+  gpipe = schedule.name == "gpipe" and schedule.virtual_stages == 1
+  return gpipe and isinstance(layout, FlatLayout)
 
 
 #: Primitives that only move or view data: a tick rebuilds their outputs in the backward
