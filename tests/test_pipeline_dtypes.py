@@ -15,31 +15,32 @@ MODEL = mlp([32, 32, 10])
 FEATURES = 12
 
 
-def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
-  trainer = parstrat.PipelineModelParallel(stages=2)(
+def _mixed_program(schedule: str) -> str:
+  """The step's lowered program (as parstrat builds it: XLA's CPU backend later widens
+  bf16 collectives to f32 itself; accelerators keep them) under mixed bfloat16."""
+  trainer = parstrat.PipelineModelParallel(stages=2, schedule=schedule)(
     MODEL, optax.sgd(0.1), precision="mixed_bfloat16"
   )
   images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
   state = trainer.init_abstract(jax.random.key(0), images[0][:1])
-  # The program parstrat builds (XLA's CPU backend later widens bf16 collectives
-  # to f32 itself; accelerators keep them).
-  text = trainer.lower(state, (images[0], labels[0])).as_text()
-  permutes = re.findall(r"collective_permute.*: \(tensor<([^>]*)>\)", text)
+  return trainer.lower(state, (images[0], labels[0])).as_text()
+
+
+def _permutes(text: str) -> list[str]:
+  return re.findall(r"collective_permute.*: \(tensor<([^>]*)>\)", text)
+
+
+def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
+  text = _mixed_program("1f1b")
   # The forward activation and the backward cotangent (microbatch 4 x width 32).
-  assert permutes == ["4x32xbf16", "4x32xbf16"], permutes
+  assert _permutes(text) == ["4x32xbf16", "4x32xbf16"], _permutes(text)
   # The stash of activations (1F1B: 2 slots) is bfloat16 as well.
   assert "tensor<2x4x32xbf16>" in text
 
 
 def test_gpipe_by_autodiff_sends_bfloat16_both_ways_and_matches_one_device():
-  trainer = parstrat.PipelineModelParallel(stages=2, schedule="gpipe")(
-    MODEL, optax.sgd(0.1), precision="mixed_bfloat16"
-  )
-  images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
-  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
-  text = trainer.lower(state, (images[0], labels[0])).as_text()
   # The forward loop's activation and its transpose's cotangent.
-  permutes = re.findall(r"collective_permute.*: \(tensor<([^>]*)>\)", text)
+  permutes = _permutes(_mixed_program("gpipe"))
   assert permutes == ["4x32xbf16", "4x32xbf16"], permutes
   strategy = parstrat.PipelineModelParallel(stages=2, schedule="gpipe", activations="save")
   parstrat.testing.check_strategy(

@@ -461,6 +461,10 @@ def pipeline_loss_and_grad(
   Activations go to device s+1 and gradients to s-1; with virtual stages the
   ends wrap (device P-1's chunk j feeds device 0's chunk j+1).
 
+  GPipe on a `FlatLayout` (`runs_by_autodiff`) does not walk the table: it is
+  `jax.value_and_grad` of the forward tick loop (`_autodiff_loss_and_grad`),
+  with `activations` as each tick's `jax.checkpoint` policy (`tick_policy`).
+
   Args:
     staged: the model cut into the schedule's P * v model stages.
     schedule: the tick table.
