@@ -845,7 +845,10 @@ class Trainer:
       if uses_default_loss:  # (inputs, labels) pairs
         classes = self._num_classes(batch[0])
         labels = batch[1]
-        metrics["labels_in_range"] = jnp.all((labels >= 0) & (labels < classes))
+        # A count (a sum, like the gradients' reduction) rather than jnp.all, so
+        # XLA can fold its reduction over the batch axes into the gradients' one.
+        outside = jnp.sum(((labels < 0) | (labels >= classes)).astype(jnp.float32))
+        metrics["labels_in_range"] = outside == 0
       return new_state, metrics
 
     # Pinning the output shardings to the input's keeps the state a fixed
