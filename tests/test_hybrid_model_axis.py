@@ -202,3 +202,18 @@ def test_2x2x2_with_mixed_precision_and_accumulation():
     rtol=1e-3,
     atol=1e-3,  # bfloat16: see tests/test_precision_and_accumulation.py
   )
+
+
+def test_a_step_with_collectives_inside_stage_branches_is_refused_before_it_runs():
+  # Known case: saved residuals under mixed bfloat16 with a model axis. XLA moves
+  # collective-permutes into the per-stage branches; run, the step hangs (the CPU
+  # backend aborts after about a minute). If a fix removes them, this test fails:
+  # then find another layout that puts collectives in branches, or a unit test.
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2, cuts=ODD_CUTS, activations="save")
+  trainer = strategy(ODD_STAGE, optax.sgd(0.1), precision="mixed_bfloat16")
+  images, labels = parstrat.testing.random_batches(1, 16, FEATURES)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with pytest.raises(ValueError, match=r"would hang: XLA put collectives inside per-stage"):
+    trainer.step(state, (images[0], labels[0]))
+  # Nothing ran: the state was not donated.
+  assert np.isfinite(jax.tree.leaves(trainer.params(state))[0]).all()

@@ -171,6 +171,9 @@ def make_pipeline_plan(
     batch_multiple=microbatches,
     check_vma=False,
     description=description,
+    # Stage branches with a partitioned "model" axis: the compiled step is read
+    # before its first run, and refused if a collective in a branch leaves "model".
+    branch_axes=(MODEL,) if parts > 1 else None,
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from parstrat._src import checks
 from parstrat._src import distributed
+from parstrat._src import hlo_check
 from parstrat._src import messages
 from parstrat._src import optimizer_probe
 from parstrat._src import precision as precision_lib
@@ -137,6 +138,12 @@ class Plan:
     opt_spec: `PartitionSpec`s of the optimizer state's parameter-shaped leaves
       (default `param_spec`). ZeRO-1 shards them while the params stay
       replicated.
+    branch_axes: for a plan whose devices run different `lax.switch` branches
+      (pipeline stages) while XLA's partitioner adds collectives (a "model"
+      axis): the mesh axes a collective inside a branch may span. The trainer
+      then reads the compiled step before its first run and refuses it if a
+      collective inside a branch spans other axes: only some of its devices
+      would reach it, and the step would hang. None (default): no check.
   """
 
   param_spec: Any
@@ -152,6 +159,7 @@ class Plan:
   reduce: Callable[[tuple[jax.Array, Any]], tuple[jax.Array, Any]] | None = None
   grad_spec: Any = None
   opt_spec: Any = None
+  branch_axes: tuple[str, ...] | None = None
 
 
 def model_loss(model: hk.TransformedWithState, loss_fn: LossFn) -> Callable[..., Any]:
@@ -553,6 +561,7 @@ class Trainer:
     self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
     #: The `sample_batch` given to `init`, as `jax.ShapeDtypeStruct`s (or None).
     self.sample_batch: Any = None
+    self._branches_checked: set[int] = set()
     self._rng_impl = None
 
   def __repr__(self) -> str:
@@ -730,6 +739,7 @@ class Trainer:
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
+    self._branches_checked: set[int] = set()  # batch sizes whose compiled step was read
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
     self.__dict__.pop("_compiled_export", None)
@@ -990,10 +1000,33 @@ class Trainer:
     batch = jax.device_put(batch, self._batch_sharding())
     if self.strategy.debug and self.uses_default_loss:
       self._check_label_range(*batch)
+    if (
+      self.plan.branch_axes is not None
+      and jax.tree.leaves(batch)[0].shape[0] not in self._branches_checked
+    ):
+      self._check_branches(state, batch)
     state, metrics = self._compiled_step(state, batch)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
     return state, metrics
+
+  def _check_branches(self, state: TrainState, batch: Batch) -> None:
+    """Refuses a compiled step with collectives some devices would never reach.
+
+    Compiling here costs nothing extra: the step's first run finds the
+    executable in JAX's compilation cache.
+    """
+    text = self._compiled_step.lower(state, batch).compile().as_text()
+    problems = hlo_check.branch_problems(text, self.mesh, vary=self.plan.branch_axes)
+    if problems:
+      more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+      raise ValueError(
+        f"{self.strategy!r} compiled a step that would hang: XLA put collectives inside "
+        f"per-stage branches, which only some of their devices run: {problems[0]}{more}. "
+        "Nothing ran and the state is unchanged. Try activations='recompute' (the default) "
+        "or without a mixed-precision policy, or model=1."
+      )
+    self._branches_checked.add(jax.tree.leaves(batch)[0].shape[0])
 
   def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
     """Lowers the training step for `batch`'s shapes, without running it.
