@@ -561,7 +561,7 @@ class Trainer:
     self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
     #: The `sample_batch` given to `init`, as `jax.ShapeDtypeStruct`s (or None).
     self.sample_batch: Any = None
-    self._branches_checked: set[int] = set()
+    self._branches_checked: set[tuple[str, int]] = set()
     self._rng_impl = None
 
   def __repr__(self) -> str:
@@ -739,7 +739,7 @@ class Trainer:
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
-    self._branches_checked: set[int] = set()  # batch sizes whose compiled step was read
+    self._branches_checked: set[tuple[str, int]] = set()  # (program, batch size) read
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
     self.__dict__.pop("_compiled_export", None)
@@ -1000,33 +1000,37 @@ class Trainer:
     batch = jax.device_put(batch, self._batch_sharding())
     if self.strategy.debug and self.uses_default_loss:
       self._check_label_range(*batch)
-    if (
-      self.plan.branch_axes is not None
-      and jax.tree.leaves(batch)[0].shape[0] not in self._branches_checked
-    ):
-      self._check_branches(state, batch)
+    self._check_branches(self._compiled_step, (state, batch), "step")
     state, metrics = self._compiled_step(state, batch)
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
     return state, metrics
 
-  def _check_branches(self, state: TrainState, batch: Batch) -> None:
-    """Refuses a compiled step with collectives some devices would never reach.
+  def _check_branches(self, compiled: Any, args: tuple, what: str) -> None:
+    """Refuses a program with collectives some devices would never reach, before it runs.
 
-    Compiling here costs nothing extra: the step's first run finds the
-    executable in JAX's compilation cache.
+    Only for plans with `branch_axes`, once per program and batch size (the
+    last argument is the batch). Compiling here costs nothing extra: the
+    first run finds the executable in JAX's compilation cache.
+
+    Raises:
+      ValueError: naming the first collective inside a per-stage branch
+        that spans devices outside `plan.branch_axes`.
     """
-    text = self._compiled_step.lower(state, batch).compile().as_text()
+    key = (what, jax.tree.leaves(args[-1])[0].shape[0])
+    if self.plan.branch_axes is None or key in self._branches_checked:
+      return
+    text = compiled.lower(*args).compile().as_text()
     problems = hlo_check.branch_problems(text, self.mesh, vary=self.plan.branch_axes)
     if problems:
       more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
       raise ValueError(
-        f"{self.strategy!r} compiled a step that would hang: XLA put collectives inside "
+        f"{self.strategy!r} compiled a {what} that would hang: XLA put collectives inside "
         f"per-stage branches, which only some of their devices run: {problems[0]}{more}. "
         "Nothing ran and the state is unchanged. Try activations='recompute' (the default) "
         "or without a mixed-precision policy, or model=1."
       )
-    self._branches_checked.add(jax.tree.leaves(batch)[0].shape[0])
+    self._branches_checked.add(key)
 
   def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
     """Lowers the training step for `batch`'s shapes, without running it.
@@ -1110,7 +1114,9 @@ class Trainer:
         raise TypeError(f"rng must be a JAX PRNG key, got {type(rng).__name__} {rng!r}.")
       key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
     inputs = jax.device_put(inputs, self._batch_sharding())
-    return self._compiled_apply(state.params, state.model_state, key, inputs)
+    args = (state.params, state.model_state, key, inputs)
+    self._check_branches(self._compiled_apply, args, "forward pass")
+    return self._compiled_apply(*args)
 
   # ----------------------------------------------------------------- guards
   def _check_state(self, state: Any, what: str) -> None:
