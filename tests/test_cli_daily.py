@@ -323,14 +323,6 @@ def test_a_mesh_axis_that_splits_only_padding_is_named(capsys):
   assert "throughput: not measured (only the first, compiling, step ran), on 6 of 8" in out
 
 
-def test_the_cli_offers_every_schedule_and_activation_policy_of_the_library():
-  from parstrat._src.pipeline import residuals
-  from parstrat._src.pipeline import schedule
-
-  assert cli.SCHEDULES == tuple(schedule.ORDERS)
-  assert cli.ACTIVATIONS == residuals.ACTIVATIONS
-
-
 def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
   # Every schedule and activation policy is exact, so the losses agree with 1F1B's.
   base = ["train", "--strategy", "pipeline", "--stages", "2", "--hidden", "16", "16", "16",

@@ -13,17 +13,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+# Importing these starts no backend (the package is imported before this module
+# anyway): `--devices` can still set the CPU device count afterwards.
+from parstrat._src.pipeline.residuals import ACTIVATIONS
+from parstrat._src.pipeline.schedule import ORDERS
+
 DEFAULT_DEVICES = 8
-# The library's names (`schedule.ORDERS`, `residuals.ACTIVATIONS`), spelt out so
-# that `--help` and argparse errors need no JAX import; a test keeps them equal.
-SCHEDULES = ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b")
-ACTIVATIONS = (
-  "recompute",
-  "save",
-  "dots_saveable",
-  "dots_with_no_batch_dims_saveable",
-  "nothing_saveable",
-)
+SCHEDULES = tuple(ORDERS)  # the pipeline schedules `build_schedule` knows
 
 
 class UsageError(Exception):
