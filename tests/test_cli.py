@@ -76,6 +76,7 @@ def test_schedule_draws_a_png(tmp_path):
     "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)"
     in out.stdout
   )
+  assert "in forwards of one stage: 58 recomputing activations, 40 saving them" in out.stdout
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

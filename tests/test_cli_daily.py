@@ -332,6 +332,7 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
     "1f1b": ["--schedule", "1f1b"],
     "zb_h1": ["--schedule", "zb_h1", "--activations", "save"],
     "interleaved": ["--schedule", "interleaved_1f1b", "--virtual-stages", "2"],
+    "exchange_every": ["--schedule", "1f1b", "--exchange-every", "2", "--activations", "save"],
   }
   losses, outputs = {}, {}
   for name, extra in runs.items():
@@ -341,8 +342,9 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses[name] = [r["loss"] for r in rows if "loss" in r]
   assert len(losses["1f1b"]) == 3
-  for name in ("zb_h1", "interleaved"):
+  for name in ("zb_h1", "interleaved", "exchange_every"):
     np.testing.assert_allclose(losses[name], losses["1f1b"], rtol=1e-5)
+  assert "(an exchange every 2)" in outputs["exchange_every"]
   assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
   assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]
 

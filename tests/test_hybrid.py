@@ -29,6 +29,13 @@ def test_zero_bubble_and_interleaved_match_single_device_jit(schedule):
   parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 
 
+def test_an_exchange_every_two_ticks_matches_single_device_jit():
+  strategy = parstrat.Hybrid(
+    data=2, stages=2, microbatches=4, exchange_every=2, bubble_value=float("nan")
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
+
+
 def test_stage_replicas_are_identical_and_each_device_holds_one_stage():
   trainer = parstrat.Hybrid(data=2, stages=4, microbatches=2)(DEEP_MLP, optax.sgd(0.1))
   images, labels = parstrat.testing.random_batches(3, 16)

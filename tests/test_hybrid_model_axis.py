@@ -43,6 +43,24 @@ def test_interleaved_with_a_model_axis_matches_single_device_jit():
   )
 
 
+def test_an_exchange_every_two_ticks_with_a_model_axis_matches_single_device_jit():
+  # Two passes per exchange, each split over "model": the branch check (run before
+  # the first step) finds no collective leaving "model" inside a stage branch.
+  strategy = parstrat.Hybrid(
+    data=2,
+    stages=2,
+    model=2,
+    microbatches=4,
+    cuts=ODD_CUTS,
+    exchange_every=2,
+    activations="save",
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, ODD_STAGE, [optax.sgd(0.1)], steps=3, batch=16, features=FEATURES
+  )
+
+
 def test_gpipe_with_a_model_axis_keeps_the_table_engine_and_matches_jit():
   # Autodiff of the forward loop (`engine.runs_by_autodiff`) is for flat stage buffers:
   # with split ones XLA reshards inside the per-stage branches. The table engine does

@@ -166,6 +166,12 @@ def test_microbatches_must_divide_the_batch():
       ValueError,
       "The '1f1b' schedule runs stages=2, not 4",
     ),
+    (dict(stages=2, exchange_every=0), ValueError, "exchange_every must be a positive integer"),
+    (
+      dict(stages=2, schedule=pipeline.build_schedule("1f1b", 2, 2), exchange_every=2),
+      ValueError,
+      "The '1f1b' schedule runs exchange_every=1, not 2",
+    ),
   ],
 )
 def test_bad_configs(kwargs, error, message):
@@ -358,6 +364,30 @@ def test_saved_activations_match_jit(schedule, activations, virtual_stages):
     bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
+
+
+# Two ticks between message exchanges (a forward and a backward per exchange in the
+# steady state): the exchange carries the one activation and the one gradient each
+# device sent in either tick, NaN in every bubble. Adam once, SGD on each schedule.
+@pytest.mark.parametrize(
+  "schedule, activations, virtual_stages, optimizers",
+  [
+    ("1f1b", "save", None, [optax.sgd(0.1), optax.adam(1e-3)]),
+    ("zb_h1", "recompute", None, [optax.sgd(0.1)]),
+    ("interleaved_1f1b", "save", 2, [optax.sgd(0.1)]),
+  ],
+)
+def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_stages, optimizers):
+  strategy = parstrat.PipelineModelParallel(
+    stages=4,
+    microbatches=4,
+    schedule=schedule,
+    virtual_stages=virtual_stages,
+    activations=activations,
+    exchange_every=2,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=3, batch=16)
 
 
 # ------------------------------------------------------------------ placement

@@ -274,3 +274,66 @@ def test_lockstep_time_charges_each_tick_its_slowest_pass():
   one_f = pipeline.build_schedule("1f1b", 2, 3)
   assert one_f.lockstep_time() == 1 + 1 + 6 * 3
   assert one_f.lockstep_bubble() > one_f.bubble_fraction()
+
+
+# ------------------------------------------------- an exchange every K ticks
+def test_every_table_with_an_exchange_every_k_ticks_checks():
+  count = 0
+  for K in (2, 3):
+    for name in ("gpipe", "1f1b", "zb_h1", "interleaved_1f1b"):
+      for P in range(1, 7):
+        step = P if name == "interleaved_1f1b" else 1  # (M a multiple of P)
+        for M in range(step, 13, step):
+          s = pipeline.build_schedule(name, P, M, exchange_every=K)
+          # Dependencies across stages only after an exchange, one activation and one
+          # gradient per device per exchange, every message read from the right slot.
+          pipeline.check_schedule(s)
+          assert s.exchange_every == K and s.num_ticks == K * s.num_exchanges
+          count += 1
+  assert count > 300
+
+
+def test_an_exchange_every_two_ticks_brings_every_schedule_to_gpipes_lockstep_time():
+  for P in range(2, 9):
+    for M in range(P, 3 * P + 1, P):
+      gpipe = pipeline.build_schedule("gpipe", P, M).lockstep_time("save")
+      assert gpipe == 3 * (M + P - 1)  # (M + P - 1) (F + B): the hand-written GPipe's
+      one_f = pipeline.build_schedule("1f1b", P, M)
+      paired = pipeline.build_schedule("1f1b", P, M, exchange_every=2)
+      assert one_f.lockstep_time("save") > gpipe  # a tick with one B costs a B everywhere
+      assert paired.lockstep_time("save") == gpipe
+      assert paired.max_live_activations()[0] == min(2 * P - 1, M)  # not M (GPipe)
+      assert pipeline.build_schedule("zb_h1", P, M).lockstep_time("save") < gpipe
+      inter = pipeline.build_schedule("interleaved_1f1b", P, M, exchange_every=2)
+      assert inter.lockstep_time("save") < gpipe
+      assert inter.max_live_activations() == (
+        pipeline.build_schedule("interleaved_1f1b", P, M).max_live_activations()
+      )
+  one_f = pipeline.build_schedule("1f1b", 2, 3, exchange_every=2)
+  assert one_f.table().splitlines() == [
+    "stage 0: F0  . F1  . F2 B0 B1  . B2  .",
+    "stage 1:  .  . F0 B0 F1 B1 F2 B2  .  .",
+  ]
+  # Exchanges after ticks 1, 3, ...: at most F + B each, and 2 + 3 + 3 + 3 + 2 + ... in all.
+  assert one_f.lockstep_time("save") == 1 + 3 + 3 + 3 + 2 == 3 * (3 + 2 - 1)
+
+
+def _edit(schedule, moves):
+  """`schedule` with ops moved: {(tick, stage): new tick}."""
+  action, microbatch = schedule.action.copy(), schedule.microbatch.copy()
+  for (t, s), new in moves.items():
+    action[new, s], microbatch[new, s] = action[t, s], microbatch[t, s]
+    action[t, s], microbatch[t, s] = Action.IDLE, -1
+  return type(schedule)(**{**schedule.__dict__, "action": action, "microbatch": microbatch})
+
+
+def test_check_schedule_catches_a_message_used_before_its_exchange():
+  schedule = pipeline.build_schedule("1f1b", 2, 3, exchange_every=2)
+  # Stage 1's F0 moved to tick 1, the exchange where stage 0 computes it.
+  with pytest.raises(AssertionError, match=r"forward 0 at tick 1, .* \(it arrives after tick 1\)"):
+    pipeline.check_schedule(_edit(schedule, {(2, 1): 1}))
+  # Stage 0's F1 moved next to its F0: two activations for one exchange.
+  with pytest.raises(AssertionError, match="tick 1: stage 0 sends two activations in one exchange"):
+    pipeline.check_schedule(_edit(schedule, {(2, 0): 1}))
+  with pytest.raises(ValueError, match="exchange_every must be a positive integer, got 0"):
+    pipeline.build_schedule("1f1b", 2, 3, exchange_every=0)

@@ -262,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="what a pipeline stage keeps from its forward for its backward "
     "(default: the strategy's, recompute)",
   )
+  train.add_argument(
+    "--exchange-every",
+    type=_positive,
+    default=None,
+    help="pipeline ticks (passes) each device runs between two message exchanges "
+    "(default: the strategy's, 1; 2 suits 1f1b and interleaved_1f1b)",
+  )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
   train.add_argument(
@@ -343,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="model chunks per device, interleaved_1f1b only (default: 2 for it, else 1)",
   )
+  sched.add_argument(
+    "--exchange-every",
+    type=_positive,
+    default=1,
+    help="ticks (passes) each device runs between two message exchanges",
+  )
   sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
   sched.add_argument(
     "--csv", default=None, help="CSV file to write the schedule into (torch.distributed format)"
@@ -394,7 +407,7 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
 
   config = {}
   keys = ("data", "stages", "model", "microbatches", "schedule", "virtual_stages", "activations",
-          "zero", "memory_budget")  # fmt: skip
+          "exchange_every", "zero", "memory_budget")  # fmt: skip
   for key in keys:
     value = getattr(args, key)
     if value is not None:
@@ -949,7 +962,11 @@ def schedule(args: argparse.Namespace) -> None:
 
   try:
     table = schedule_lib.build_schedule(
-      args.schedule, args.stages, args.microbatches, virtual_stages=args.virtual_stages
+      args.schedule,
+      args.stages,
+      args.microbatches,
+      virtual_stages=args.virtual_stages,
+      exchange_every=args.exchange_every,
     )
   except ValueError as e:
     raise UsageError(str(e)) from None
@@ -959,6 +976,11 @@ def schedule(args: argparse.Namespace) -> None:
     f"bubble fraction: {table.bubble_fraction():.4f} idle share of the tick table, "
     f"{table.theoretical_bubble():.4f} theory {formula}; "
     f"peak live activations per stage: {table.max_live_activations()}"
+  )
+  print(
+    "lock-step time (each exchange waits for the slowest device), in forwards of one "
+    f"stage: {table.lockstep_time('recompute'):g} recomputing activations, "
+    f"{table.lockstep_time('save'):g} saving them"
   )
   if args.out:
     from parstrat._src.pipeline import drawing

@@ -58,6 +58,7 @@ def make_pipeline_plan(
   mesh: Mesh | None = None,
   virtual_stages: int | None = None,
   activations: str = "recompute",
+  exchange_every: int | None = None,
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
@@ -73,7 +74,7 @@ def make_pipeline_plan(
   partitioner.
   """
   _check_positive("microbatches", microbatches)
-  sched = _schedule_for(schedule, stages, microbatches, virtual_stages)
+  sched = _schedule_for(schedule, stages, microbatches, virtual_stages, exchange_every)
   v = sched.virtual_stages
 
   # The trainer refuses models with state or randomness for the pipeline, so
@@ -152,10 +153,12 @@ def make_pipeline_plan(
       f"(largest stage {max(sizes):,}; padding {layout.size * len(sizes) - sum(sizes):,} in all)\n"
     )
   chunks = f", {v} virtual stages per device" if v > 1 else ""
+  every = sched.exchange_every
+  ticks = f"{sched.num_ticks} ticks" + (f" (an exchange every {every})" if every > 1 else "")
   description = (
     f"{stage_plan}\n"
     f"{buffers}"
-    f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {sched.num_ticks} ticks, "
+    f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {ticks}, "
     f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
     f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
     f"{', by autodiff of the forward loop' if engine.runs_by_autodiff(sched, layout) else ''}"
@@ -183,16 +186,22 @@ def _schedule_for(
   stages: int,
   microbatches: int,
   virtual_stages: int | None,
+  exchange_every: int | None = None,
 ) -> schedule_lib.Schedule:
-  """The named schedule built for (P, M, v), or a given `Schedule` checked against them."""
+  """The named schedule built for (P, M, v, K), or a given `Schedule` checked against them."""
   if not isinstance(schedule, schedule_lib.Schedule):
     return schedule_lib.build_schedule(
-      schedule, stages, microbatches, virtual_stages=virtual_stages
+      schedule,
+      stages,
+      microbatches,
+      virtual_stages=virtual_stages,
+      exchange_every=1 if exchange_every is None else exchange_every,
     )
   for what, want, have in (
     ("stages", stages, schedule.stages),
     ("microbatches", microbatches, schedule.microbatches),
     ("virtual_stages", virtual_stages or schedule.virtual_stages, schedule.virtual_stages),
+    ("exchange_every", exchange_every or schedule.exchange_every, schedule.exchange_every),
   ):
     if want != have:
       raise ValueError(f"The {schedule.name!r} schedule runs {what}={have}, not {want}.")
@@ -306,6 +315,8 @@ class Hybrid(Strategy):
     virtual_stages: model chunks per device for "interleaved_1f1b" (default 2).
     activations: "recompute" (default), "save" or a `jax.checkpoint_policies`
       name; see `PipelineModelParallel`.
+    exchange_every: the ticks each device runs between two exchanges of
+      messages (default 1); see `PipelineModelParallel`.
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).
@@ -327,6 +338,7 @@ class Hybrid(Strategy):
   schedule: str | schedule_lib.Schedule = "1f1b"
   virtual_stages: int | None = None
   activations: str = "recompute"
+  exchange_every: int | None = None
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -359,12 +371,20 @@ class Hybrid(Strategy):
     if not isinstance(self.schedule, schedule_lib.Schedule):
       schedule_lib.resolve_virtual_stages(self.schedule, self.virtual_stages)
     residuals_lib.check_activations(self.activations)
+    if self.exchange_every is not None:
+      _check_positive("exchange_every", self.exchange_every)
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
       _check_positive("microbatches", self.microbatches)
     if isinstance(self.schedule, schedule_lib.Schedule):
-      _schedule_for(self.schedule, stages, self._microbatches(stages), self.virtual_stages)
+      _schedule_for(
+        self.schedule,
+        stages,
+        self._microbatches(stages),
+        self.virtual_stages,
+        self.exchange_every,
+      )
     if self.model == 1:
       return build_mesh({DATA: data, STAGE: stages}, self.devices)
     n = len(available_devices(self.devices))
@@ -390,4 +410,5 @@ class Hybrid(Strategy):
       mesh=mesh,
       virtual_stages=self.virtual_stages,
       activations=self.activations,
+      exchange_every=self.exchange_every,
     )

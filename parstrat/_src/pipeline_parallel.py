@@ -35,6 +35,15 @@ class PipelineModelParallel(Strategy):
     device s holding pieces s, s + P, ... (Megatron-LM; bubble 1/v of
     1F1B's, more activations alive, v times the messages).
 
+  The devices run in lock-step: they exchange messages (activations on,
+  gradients back) every `exchange_every` ticks, and each exchange waits for
+  the slowest device. With the default 1 every pass is followed by one, so a
+  1F1B tick where one device runs a backward lasts a backward on all of them.
+  With `exchange_every=2` each device runs up to two passes between exchanges:
+  1F1B then takes GPipe's time, (M + P - 1)(F + B), for 2P - 1 activations on
+  the first stage instead of P, and interleaved 1F1B gets faster at the same
+  memory (`parstrat.pipeline.Schedule.lockstep_time` gives each in forwards).
+
   This is `Hybrid` with one data replica.
 
   Args:
@@ -50,6 +59,8 @@ class PipelineModelParallel(Strategy):
       `jax.checkpoint_policies` name in between ("dots_saveable",
       "dots_with_no_batch_dims_saveable": keep matmul outputs, rerun the rest;
       "nothing_saveable").
+    exchange_every: the ticks (passes) each device runs between two exchanges
+      of messages: 1 (default) or more; 2 suits "1f1b" and "interleaved_1f1b".
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
     bubble_value: what idle slots send (tests fill bubbles with NaN).
@@ -66,6 +77,7 @@ class PipelineModelParallel(Strategy):
   schedule: str | Schedule = "1f1b"
   virtual_stages: int | None = None
   activations: str = "recompute"
+  exchange_every: int | None = None
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -80,6 +92,7 @@ class PipelineModelParallel(Strategy):
       schedule=self.schedule,
       virtual_stages=self.virtual_stages,
       activations=self.activations,
+      exchange_every=self.exchange_every,
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,

@@ -57,12 +57,16 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
         kinds.add(action)
         label = str(m) if v == 1 else f"{chunk * P + s}:{m}"
         ax.text(t + 0.5, s + 0.5, label, ha="center", va="center", fontsize=6, color="white")
+  K = schedule.exchange_every
+  for t in range(K, T, K) if K > 1 else ():  # the message exchanges, between ticks
+    ax.axvline(t, color="black", linewidth=0.8)
   ax.set_xlim(0, T)
   ax.set_ylim(P, 0)
   ax.set_yticks([s + 0.5 for s in range(P)], [f"stage {s}" for s in range(P)])
   ax.set_xticks(range(0, T + 1, max(1, T // 20)))
   ax.set_xlabel("tick" if v == 1 else "tick (cells: model stage:microbatch)")
   chunks = f", v={v}" if v > 1 else ""
+  chunks += f", an exchange every {K} ticks (lines)" if K > 1 else ""
   ax.set_title(
     f"{schedule.name}: P={P}, M={schedule.microbatches}{chunks}, bubble "
     f"{schedule.bubble_fraction():.3f} ({schedule.theory_text()})",

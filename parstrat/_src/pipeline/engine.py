@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec
 
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline import residuals as residuals_lib
+from parstrat._src.pipeline import schedule as schedule_lib
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.pipeline.schedule import num_total_iterations
@@ -444,18 +445,21 @@ def pipeline_loss_and_grad(
   Pseudo-code, for device `s` (its chunk j is model stage g = j P + s)::
 
     split the batch block into M microbatches
-    for t in range(T):                        # T = schedule.num_ticks
-      match schedule.action[t, s] (of chunk j, microbatch m):
-        FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
-        BACKWARD: recompute stage_g at stash[slot] (or, unless activations is
-                  "recompute", rebuild its vjp from the residuals its forward
-                  kept in saved[slot]), pull back the gradient arriving from
-                  stage g+1 (or the loss / M on the last stage), add d params[j]
-                  to the gradients in place, send d input back
-        BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
-        BACKWARD_WEIGHT: the same, but only d params[j]
-        IDLE:     send `bubble_value` (never read by a correct schedule)
-      store what arrived from device s-1 / s+1 into the slots the schedule names
+    for e in range(T // K):                   # K = schedule.exchange_every
+      for t in range(e K, e K + K):           # T = schedule.num_ticks
+        match schedule.action[t, s] (of chunk j, microbatch m):
+          FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
+          BACKWARD: recompute stage_g at stash[slot] (or, unless activations
+                    is "recompute", rebuild its vjp from the residuals its
+                    forward kept in saved[slot]), pull back the gradient that
+                    arrived from stage g+1 (or the loss / M on the last stage),
+                    add d params[j] to the gradients in place, send d input back
+          BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
+          BACKWARD_WEIGHT: the same, but only d params[j]
+          IDLE:     nothing (with K = 1 it sends `bubble_value`, never read)
+      exchange: send the tick's (K = 1) or the exchange's one activation and
+      one gradient; store what arrived from device s-1 / s+1 into the slots
+      the schedule names
     loss = psum over stages of the last stage's summed microbatch losses / M
 
   Activations go to device s+1 and gradients to s-1; with virtual stages the
@@ -599,26 +603,41 @@ def pipeline_loss_and_grad(
   cyclic = v > 1
   tables = jnp.concatenate([tables, jnp.asarray(np.stack([res_slot, res_write]))])
 
-  def tick(t, carry):
+  K = schedule.exchange_every
+  sends = np.vectorize(schedule_lib.sends)(schedule.action, np.maximum(schedule.model_stage, 0), G)
+  tables = jnp.concatenate([tables, jnp.asarray(np.stack(sends).astype(np.int32))])
+
+  def exchange(e, carry):
+    """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""
     stash, inbox, saved, grads, loss = carry
-    index, m, a_slot, g_slot, ra_slot, rg_slot, r_slot, rw_slot = (
-      tables[k, t, stage] for k in range(8)
-    )
-    send_act, send_grad, grads, d_loss, res = lax.switch(
-      index,
-      branches,
-      block,
-      grads,
-      _read(stash, a_slot),
-      _read(inbox, g_slot),
-      _read(saved, r_slot),
-      _microbatch(xs, m),
-      _microbatch(ys, m),
-    )
-    saved = _store(saved, rw_slot, res)
-    stash = _store(stash, ra_slot, _shift(send_act, stage_axis, P, +1, cyclic))
-    inbox = _store(inbox, rg_slot, _shift(send_grad, stage_axis, P, -1, cyclic))
-    return stash, inbox, saved, grads, loss + d_loss
+    send_act = send_grad = fill
+    for k in range(K):
+      t = e * K + k
+      index, m, a_slot, g_slot, _, _, r_slot, rw_slot, sends_act, sends_grad = (
+        tables[i, t, stage] for i in range(10)
+      )
+      act, grad, grads, d_loss, res = lax.switch(
+        index,
+        branches,
+        block,
+        grads,
+        _read(stash, a_slot),
+        _read(inbox, g_slot),
+        _read(saved, r_slot),
+        _microbatch(xs, m),
+        _microbatch(ys, m),
+      )
+      saved = _store(saved, rw_slot, res)
+      loss = loss + d_loss
+      if K == 1:
+        send_act, send_grad = act, grad
+      else:  # (a device sends at most one of each per exchange)
+        send_act = jnp.where(sends_act > 0, act, send_act)
+        send_grad = jnp.where(sends_grad > 0, grad, send_grad)
+    last = e * K + K - 1  # the receive slots sit in the exchange's last tick
+    stash = _store(stash, tables[4, last, stage], _shift(send_act, stage_axis, P, +1, cyclic))
+    inbox = _store(inbox, tables[5, last, stage], _shift(send_grad, stage_axis, P, -1, cyclic))
+    return stash, inbox, saved, grads, loss
 
   carry = (
     jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
@@ -627,7 +646,7 @@ def pipeline_loss_and_grad(
     staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )
-  _, _, _, grads, loss = lax.fori_loop(0, schedule.num_ticks, tick, carry)
+  _, _, _, grads, loss = lax.fori_loop(0, schedule.num_exchanges, exchange, carry)
   loss = lax.psum(loss, stage_axis) / M
   return loss, grads
 
@@ -644,7 +663,7 @@ def runs_by_autodiff(schedule: Schedule, layout: FlatLayout | SplitLayout) -> bo
   that case keeps the tick-table engine.
   """
   gpipe = schedule.name == "gpipe" and schedule.virtual_stages == 1
-  return gpipe and isinstance(layout, FlatLayout)
+  return gpipe and schedule.exchange_every == 1 and isinstance(layout, FlatLayout)
 
 
 #: Primitives that only move or view data: a tick rebuilds their outputs in the backward

@@ -3,7 +3,10 @@
 A schedule is a table `tick -> stage -> action` (idle, forward of microbatch m,
 backward of microbatch m). It is built by small pure functions and can be
 printed, checked and drawn without any device. One tick is one stage
-computation; a value sent at tick t is usable from tick t+1.
+computation. Devices exchange messages every `exchange_every` ticks (K, 1 by
+default): a value sent in the K ticks t .. t + K - 1 of one exchange is usable
+from tick t + K on, and the K ticks in between run on each device without
+waiting for the others.
 """
 
 from __future__ import annotations
@@ -52,20 +55,28 @@ def theoretical_bubble(stages: int, microbatches: int) -> float:
   return (stages - 1) / (microbatches + stages - 1)
 
 
-def gpipe_order(stages: int, microbatches: int, stage: int, virtual_stages: int = 1) -> list[Op]:
+def gpipe_order(
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 1, exchange_every: int = 1
+) -> list[Op]:
   """GPipe: every forward, then every backward."""
-  del stages, stage, virtual_stages
+  del stages, stage, virtual_stages, exchange_every
   return [(Action.FORWARD, m, 0) for m in range(microbatches)] + [
     (Action.BACKWARD, m, 0) for m in range(microbatches)
   ]
 
 
 def one_f_one_b_order(
-  stages: int, microbatches: int, stage: int, virtual_stages: int = 1
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 1, exchange_every: int = 1
 ) -> list[Op]:
-  """1F1B (PipeDream-flush): P-1-s warm-up forwards, then alternate, then drain."""
+  """1F1B (PipeDream-flush): P-1-s warm-up forwards, then alternate, then drain.
+
+  With `exchange_every=K` > 1 the warm-up is K (P-1-s) forwards: a message then
+  takes one exchange (K ticks) per hop, so a microbatch's gradient comes back
+  to stage s 2 (P-1-s) exchanges after its forward, and with K = 2 the steady
+  state runs one forward and one backward per exchange on every device.
+  """
   del virtual_stages
-  warmup = min(stages - 1 - stage, microbatches)
+  warmup = min(exchange_every * (stages - 1 - stage), microbatches)
   ops: list[Op] = [(Action.FORWARD, m, 0) for m in range(warmup)]
   for i in range(microbatches - warmup):
     ops += [(Action.FORWARD, warmup + i, 0), (Action.BACKWARD, i, 0)]
@@ -73,7 +84,9 @@ def one_f_one_b_order(
   return ops
 
 
-def zb_h1_order(stages: int, microbatches: int, stage: int, virtual_stages: int = 1) -> list[Op]:
+def zb_h1_order(
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 1, exchange_every: int = 1
+) -> list[Op]:
   """ZB-H1 (Qi et al. 2023): 1F1B with the backward split, weight passes deferred.
 
   The forwards and input-gradient passes (I) run in 1F1B order; stage s keeps
@@ -82,16 +95,19 @@ def zb_h1_order(stages: int, microbatches: int, stage: int, virtual_stages: int 
   one tick each and M >= P this takes 3M + P - 1 ticks: a bubble of
   (P - 1) / (3M + P - 1), a third of 1F1B's, with at most P microbatches
   between their forward and their W on any stage (1F1B's activation count).
+  With `exchange_every=K` the warm-up and the pending W passes scale by K, as
+  for 1F1B.
   """
   del virtual_stages
-  warmup = min(stages - 1 - stage, microbatches)
+  K = exchange_every
+  warmup = min(K * (stages - 1 - stage), microbatches)
   ops: list[Op] = [(Action.FORWARD, m, 0) for m in range(warmup)]
   pending: list[int] = []
 
   def input_grad(m: int) -> None:
     ops.append((Action.BACKWARD_INPUT, m, 0))
     pending.append(m)
-    if len(pending) > stage:
+    if len(pending) > K * stage:
       ops.append((Action.BACKWARD_WEIGHT, pending.pop(0), 0))
 
   for i in range(microbatches - warmup):
@@ -103,7 +119,7 @@ def zb_h1_order(stages: int, microbatches: int, stage: int, virtual_stages: int 
 
 
 def interleaved_1f1b_order(
-  stages: int, microbatches: int, stage: int, virtual_stages: int = 2
+  stages: int, microbatches: int, stage: int, virtual_stages: int = 2, exchange_every: int = 1
 ) -> list[Op]:
   """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): v chunks per device.
 
@@ -113,7 +129,9 @@ def interleaved_1f1b_order(
   the chunks reversed. It warms up with 2 (P - 1 - s) + (v - 1) P forwards and
   then alternates one forward, one backward. With M a multiple of P this takes
   2 v M + 2 (P - 1) ticks of one chunk each: a bubble of (P - 1) / (v M + P - 1),
-  1/v of 1F1B's, for more activations alive at once.
+  1/v of 1F1B's, for more activations alive at once. The order does not
+  depend on `exchange_every`: with K = 2 a device runs one forward and one
+  backward chunk per exchange, at the same activation count.
 
   Raises:
     ValueError: if M is not a multiple of P.
@@ -132,6 +150,7 @@ def interleaved_1f1b_order(
   def backward(k: int) -> Op:
     return (Action.BACKWARD, (k // (P * v)) * P + k % P, v - 1 - (k // P) % v)
 
+  del exchange_every
   warmup = min(n, 2 * (P - 1 - stage) + (v - 1) * P)
   ops = [forward(k) for k in range(warmup)]
   for i in range(n - warmup):
@@ -164,6 +183,18 @@ RECOMPUTE_COST = {
   Action.BACKWARD_WEIGHT: 2.0,
 }
 
+#: The same with activations="save": no pass reruns the forward (I and W each
+#: cost about one forward: one of the two products of every matmul's backward).
+SAVED_COST = {
+  Action.FORWARD: 1.0,
+  Action.BACKWARD: 2.0,
+  Action.BACKWARD_INPUT: 1.0,
+  Action.BACKWARD_WEIGHT: 1.0,
+}
+
+#: Pass costs by `activations` name (for `Schedule.lockstep_time`).
+PASS_COSTS = {"recompute": RECOMPUTE_COST, "save": SAVED_COST}
+
 #: The virtual stages each schedule uses when none are given.
 DEFAULT_VIRTUAL_STAGES = {"interleaved_1f1b": 2}
 
@@ -192,6 +223,10 @@ class Schedule:
     num_grad_slots: gradient slots per device.
     virtual_stages: v, the chunks each device holds (1 but for interleaving).
     chunk: `[T, P]` the chunk each action runs (0 when idle).
+    exchange_every: K, the ticks between two message exchanges (T is a
+      multiple of it). Messages sent in ticks k K .. k K + K - 1 arrive after
+      the last of them (the receive slots sit in that tick's row); a device
+      runs the K ticks in between without waiting for the others.
   """
 
   name: str
@@ -207,10 +242,16 @@ class Schedule:
   num_grad_slots: int
   virtual_stages: int
   chunk: np.ndarray
+  exchange_every: int = 1
 
   @property
   def num_ticks(self) -> int:
     return self.action.shape[0]
+
+  @property
+  def num_exchanges(self) -> int:
+    """T / K: how often the devices exchange messages (and wait for each other)."""
+    return self.num_ticks // self.exchange_every
 
   @property
   def model_stages(self) -> int:
@@ -259,24 +300,39 @@ class Schedule:
       live.append(peak)
     return live
 
-  def lockstep_time(self, cost: dict[Action, float] | None = None) -> float:
-    """The step's length when every tick lasts as long as its slowest pass.
+  def lockstep_time(self, cost: dict[Action, float] | str = "recompute") -> float:
+    """The step's length when the devices wait for each other at every exchange.
 
-    The engine runs ticks in lock-step (each tick ends with the messages all
-    devices exchange), so a tick where one device runs a backward and the
-    others forwards costs a backward. With `cost` per pass (default
-    `RECOMPUTE_COST`, in forwards of one stage: the engine reruns the forward
-    in every backward pass), this is the sum over ticks of the largest cost.
+    The engine runs in lock-step: each exchange of messages waits for every
+    device, so with K = 1 a tick where one device runs a backward and the
+    others forwards costs a backward. With `cost` per pass, in forwards of one
+    stage (a dict, or "recompute" or "save" for `PASS_COSTS`: the engine
+    reruns the forward in every backward pass unless activations="save"), this
+    is the sum over exchanges of the largest per-device sum of the passes run
+    since the previous exchange. A chunk of an interleaved schedule counts 1/v
+    of its cost (it is 1/v of the model).
+
+    Example:
+      >>> from parstrat import pipeline
+      >>> pipeline.build_schedule("gpipe", 4, 8).lockstep_time("save")  # 11 F + 11 B
+      33.0
+      >>> pipeline.build_schedule("1f1b", 4, 8).lockstep_time("save")
+      40.0
+      >>> pipeline.build_schedule("1f1b", 4, 8, exchange_every=2).lockstep_time("save")
+      33.0
     """
-    cost = RECOMPUTE_COST if cost is None else cost
+    cost = PASS_COSTS[cost] if isinstance(cost, str) else cost
     table = np.vectorize(lambda a: 0.0 if a == Action.IDLE else cost[Action(a)])(self.action)
-    return float(table.max(axis=1).sum()) if table.size else 0.0
+    if not table.size:
+      return 0.0
+    per_exchange = table.reshape(self.num_exchanges, self.exchange_every, self.stages).sum(1)
+    return float(per_exchange.max(axis=1).sum()) / self.virtual_stages
 
-  def lockstep_bubble(self, cost: dict[Action, float] | None = None) -> float:
+  def lockstep_bubble(self, cost: dict[Action, float] | str = "recompute") -> float:
     """The idle share of `lockstep_time`: 1 - (work per device) / (lock-step time)."""
-    cost = RECOMPUTE_COST if cost is None else cost
-    work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE) / self.stages
-    return 1.0 - work / self.lockstep_time(cost)
+    cost = PASS_COSTS[cost] if isinstance(cost, str) else cost
+    work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE)
+    return 1.0 - work / self.stages / self.virtual_stages / self.lockstep_time(cost)
 
   def residual_slots(self) -> tuple[np.ndarray, int]:
     """Slots for what a forward keeps for its backward passes (activations="save").
@@ -317,16 +373,22 @@ class Schedule:
     )
 
   def __repr__(self) -> str:
+    every = f", exchange_every={self.exchange_every}" if self.exchange_every > 1 else ""
     return (
       f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
-      f"virtual_stages={self.virtual_stages}, ticks={self.num_ticks})"
+      f"virtual_stages={self.virtual_stages}{every}, ticks={self.num_ticks})"
     )
 
   def __str__(self) -> str:
     chunks = f" x {self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
+    every = (
+      f" ({self.num_exchanges} exchanges, one every {self.exchange_every})"
+      if self.exchange_every > 1
+      else ""
+    )
     return (
       f"{self.name} schedule, {self.stages} stages{chunks} x {self.microbatches} microbatches, "
-      f"{self.num_ticks} ticks, bubble {self.bubble_fraction():.3f} "
+      f"{self.num_ticks} ticks{every}, bubble {self.bubble_fraction():.3f} "
       f"({self.theory_text()})\n{self.table()}"
     )
 
@@ -350,35 +412,60 @@ def _deps(kind: str, g: int, m: int, model_stages: int) -> list[tuple[str, int, 
   return [("B", g, m)]
 
 
+def sends(kind: Action, g: int, model_stages: int) -> tuple[bool, bool]:
+  """Whether a pass of model stage g sends (an activation on, a gradient back)."""
+  activation = kind == Action.FORWARD and g < model_stages - 1
+  gradient = kind in (Action.BACKWARD, Action.BACKWARD_INPUT) and g > 0
+  return activation, gradient
+
+
 def _simulate(
-  stages: int, virtual_stages: int, orders: Sequence[Sequence[Op]]
+  stages: int, virtual_stages: int, orders: Sequence[Sequence[Op]], exchange_every: int = 1
 ) -> list[list[Op | None]]:
-  """Runs each device's op list as early as its dependencies allow."""
-  G = stages * virtual_stages
-  done: dict[tuple[str, int, int], int] = {}
+  """Runs each device's op list as early as its dependencies allow.
+
+  Between two exchanges (K = `exchange_every` ticks) a device runs its next
+  ops in order while each one's inputs are there: what other stages sent
+  arrives at an exchange, what the device itself computed is there at once.
+  It sends at most one activation and one gradient per exchange (one message
+  each way), and stops at the first op that cannot run.
+  """
+  G, K = stages * virtual_stages, exchange_every
+  done: dict[tuple[str, int, int], int] = {}  # (kind, g, m) -> exchange
   pos = [0] * stages
   ticks: list[list[Op | None]] = []
   total = sum(len(o) for o in orders)
   while sum(pos) < total:
-    t = len(ticks)
-    row: list[Op | None] = []
+    r = len(ticks) // K
+    rows: list[list[Op | None]] = [[None] * stages for _ in range(K)]
     for s in range(stages):
-      op = orders[s][pos[s]] if pos[s] < len(orders[s]) else None
-      if op is not None:
-        kind, m, chunk = op
-        deps = _deps(_KIND[kind], chunk * stages + s, m, G)
-        if all(done.get(d, t) < t for d in deps):
-          row.append(op)
-          continue
-      row.append(None)
-    if all(op is None for op in row):
-      waiting = {s: orders[s][pos[s]] for s in range(stages) if pos[s] < len(orders[s])}
-      raise ValueError(f"The schedule deadlocks at tick {t}: no stage can proceed ({waiting}).")
-    for s, op in enumerate(row):
-      if op is not None:
-        done[(_KIND[op[0]], op[2] * stages + s, op[1])] = t
+      local: set[tuple[str, int, int]] = set()
+      sent = [False, False]
+      for k in range(K):
+        if pos[s] == len(orders[s]):
+          break
+        kind, m, chunk = orders[s][pos[s]]
+        g = chunk * stages + s
+        # Another stage's output arrives at an exchange: it is in `done` (earlier
+        # exchanges only). Stage g's own passes are usable at once.
+        ready = all(d in done or (d[1] == g and d in local) for d in _deps(_KIND[kind], g, m, G))
+        out = sends(kind, g, G)
+        if not ready or any(a and b for a, b in zip(out, sent, strict=True)):
+          break
+        sent = [a or b for a, b in zip(out, sent, strict=True)]
+        local.add((_KIND[kind], g, m))
+        rows[k][s] = orders[s][pos[s]]
         pos[s] += 1
-    ticks.append(row)
+    if all(op is None for row in rows for op in row):
+      waiting = {s: orders[s][pos[s]] for s in range(stages) if pos[s] < len(orders[s])}
+      raise ValueError(
+        f"The schedule deadlocks at tick {len(ticks)}: no stage can proceed ({waiting})."
+      )
+    for row in rows:
+      for s, op in enumerate(row):
+        if op is not None:
+          done[(_KIND[op[0]], op[2] * stages + s, op[1])] = r
+    ticks += rows
   return ticks
 
 
@@ -421,7 +508,12 @@ def resolve_virtual_stages(name: str, virtual_stages: int | None) -> int:
 
 
 def build_schedule(
-  name: str, stages: int, microbatches: int, *, virtual_stages: int | None = None
+  name: str,
+  stages: int,
+  microbatches: int,
+  *,
+  virtual_stages: int | None = None,
+  exchange_every: int = 1,
 ) -> Schedule:
   """Builds the named schedule's table and its buffer slots.
 
@@ -432,6 +524,12 @@ def build_schedule(
     microbatches: M >= 1 (a multiple of P for "interleaved_1f1b").
     virtual_stages: v, the model chunks per device: 2 by default for
       "interleaved_1f1b", and 1 (the only choice) for the others.
+    exchange_every: K, the ticks (passes) each device may run between two
+      exchanges of messages. With 1 every pass ends with one, and the devices
+      wait for the slowest pass of each tick. With 2, 1F1B's steady state runs
+      one forward and one backward per exchange: it takes GPipe's lock-step
+      time, (M + P - 1) (F + B), for 2 P - 1 activations on the first stage
+      instead of P (`Schedule.lockstep_time`).
 
   Returns:
     The `Schedule`, checked by `check_schedule`.
@@ -449,12 +547,18 @@ def build_schedule(
     >>> print(pipeline.build_schedule("zb_h1", stages=2, microbatches=2).table())
     stage 0: F0 F1  . I0 W0 I1 W1
     stage 1:  . F0 I0 F1 I1 W0 W1
+    >>> s = pipeline.build_schedule("1f1b", stages=2, microbatches=3, exchange_every=2)
+    >>> print(s.table())  # exchanges after ticks 1, 3, 5, 7
+    stage 0: F0  . F1  . F2 B0 B1  . B2  .
+    stage 1:  .  . F0 B0 F1 B1 F2 B2  .  .
   """
   v = resolve_virtual_stages(name, virtual_stages)
   _check_positive("stages", stages)
   _check_positive("microbatches", microbatches)
-  orders = [ORDERS[name](stages, microbatches, s, v) for s in range(stages)]
-  return schedule_from_ticks(name, stages, microbatches, v, _simulate(stages, v, orders))
+  _check_positive("exchange_every", exchange_every)
+  orders = [ORDERS[name](stages, microbatches, s, v, exchange_every) for s in range(stages)]
+  ticks = _simulate(stages, v, orders, exchange_every)
+  return schedule_from_ticks(name, stages, microbatches, v, ticks, exchange_every=exchange_every)
 
 
 def schedule_from_ticks(
@@ -463,13 +567,17 @@ def schedule_from_ticks(
   microbatches: int,
   virtual_stages: int,
   ticks: Sequence[Sequence[Op | None]],
+  *,
+  exchange_every: int = 1,
 ) -> Schedule:
   """The `Schedule` of an explicit tick table, with its buffer slots allocated.
 
   Args:
     name: the schedule's name.
     stages, microbatches, virtual_stages: P, M and v.
-    ticks: per tick, per device, an `Op` or None (idle).
+    ticks: per tick, per device, an `Op` or None (idle); padded with idle
+      ticks to a multiple of `exchange_every`.
+    exchange_every: K, the ticks between two exchanges of messages.
 
   Returns:
     The checked `Schedule`.
@@ -478,8 +586,9 @@ def schedule_from_ticks(
     ValueError: if the table misses an action or breaks a dependency (the
       message names the first one).
   """
-  P, M, v = stages, microbatches, virtual_stages
+  P, M, v, K = stages, microbatches, virtual_stages, exchange_every
   G = P * v
+  ticks = [*ticks, *([None] * P for _ in range(-len(ticks) % K))]
   T = len(ticks)
   action = np.zeros((T, P), np.int32)
   microbatch = np.full((T, P), -1, np.int32)
@@ -508,6 +617,7 @@ def schedule_from_ticks(
     1,
     v,
     chunk,
+    K,
   )
   try:
     _check_actions(partial)
@@ -518,21 +628,26 @@ def schedule_from_ticks(
     np.full((T, P), -1, np.int32) for _ in range(4)
   )
   num_act = num_grad = 1
+
+  def arrival(t: int) -> int:
+    """The tick after which a message sent at tick t arrives: its exchange's last."""
+    return t - t % K + K - 1
+
   for s in range(P):
     mine = [(g, m) for g in range(s, G, P) for m in range(M)]
     # Activations arrive from model stage g-1 and live until the last backward pass.
-    life = {(g, m): (when[("F", g - 1, m)] + 1, max(uses[(g, m)])) for g, m in mine if g > 0}
-    slots, n = _allocate(life)
+    sent = {(g, m): arrival(when[("F", g - 1, m)]) for g, m in mine if g > 0}
+    slots, n = _allocate({key: (t + 1, max(uses[key])) for key, t in sent.items()})
     num_act = max(num_act, n)
     for (g, m), slot in slots.items():
-      recv_act_slot[when[("F", g - 1, m)], s] = slot
+      recv_act_slot[sent[(g, m)], s] = slot
       act_slot[uses[(g, m)], s] = slot
     # Gradients arrive from model stage g+1 and live until the last backward pass.
-    life = {(g, m): (when[("B", g + 1, m)] + 1, max(uses[(g, m)])) for g, m in mine if g < G - 1}
-    slots, n = _allocate(life)
+    sent = {(g, m): arrival(when[("B", g + 1, m)]) for g, m in mine if g < G - 1}
+    slots, n = _allocate({key: (t + 1, max(uses[key])) for key, t in sent.items()})
     num_grad = max(num_grad, n)
     for (g, m), slot in slots.items():
-      recv_grad_slot[when[("B", g + 1, m)], s] = slot
+      recv_grad_slot[sent[(g, m)], s] = slot
       backward_ticks = [t for t in uses[(g, m)] if action[t, s] != Action.FORWARD]
       grad_slot[backward_ticks, s] = slot
   schedule = dataclasses.replace(
@@ -551,6 +666,14 @@ def schedule_from_ticks(
 def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
   """The dependency half of `check_schedule`; returns (action, g, m) -> tick."""
   P, M, G = schedule.stages, schedule.microbatches, schedule.model_stages
+  K = schedule.exchange_every
+  assert K >= 1 and schedule.num_ticks % K == 0, (
+    f"{schedule.num_ticks} ticks are not whole exchanges of {K} ticks"
+  )
+
+  def where(t: int) -> str:
+    return f" (it arrives after tick {t - t % K + K - 1})" if K > 1 else ""
+
   when: dict[tuple[int, int, int], int] = {}
   for t in range(schedule.num_ticks):
     for s in range(P):
@@ -581,12 +704,17 @@ def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
       if split[(g, m)]:
         w = when[(W, g, m)]
         assert b < w, f"stage {g}: W of microbatch {m} (tick {w}) before its I ({b})"
+      # What another stage sent is there after the exchange that follows it.
       if g > 0:
         prev = when[(F, g - 1, m)]
-        assert prev < f, f"stage {g} runs forward {m} at tick {f}, stage {g - 1} only at {prev}"
+        assert prev // K < f // K, (
+          f"stage {g} runs forward {m} at tick {f}, stage {g - 1} only at {prev}" + where(prev)
+        )
       if g < G - 1:
         nxt = when[(IN if split[(g + 1, m)] else B, g + 1, m)]
-        assert nxt < b, f"stage {g} runs backward {m} at tick {b}, stage {g + 1} only at {nxt}"
+        assert nxt // K < b // K, (
+          f"stage {g} runs backward {m} at tick {b}, stage {g + 1} only at {nxt}" + where(nxt)
+        )
   return when
 
 
@@ -603,12 +731,13 @@ def check_schedule(schedule: Schedule) -> None:
     AssertionError: naming the first violated dependency or misdelivered message.
   """
   _check_actions(schedule)
-  P, G = schedule.stages, schedule.model_stages
+  P, G, K = schedule.stages, schedule.model_stages, schedule.exchange_every
   stash = np.full((P, schedule.num_act_slots, 2), -1)
   inbox = np.full((P, schedule.num_grad_slots, 2), -1)
   for t in range(schedule.num_ticks):
-    sent_act: list[tuple[int, int] | None] = [None] * P
-    sent_grad: list[tuple[int, int] | None] = [None] * P
+    if t % K == 0:  # what each device sends until the next exchange: one message each way
+      sent_act: list[tuple[int, int] | None] = [None] * P
+      sent_grad: list[tuple[int, int] | None] = [None] * P
     for s in range(P):
       a, m, j = (int(x[t, s]) for x in (schedule.action, schedule.microbatch, schedule.chunk))
       if a == Action.IDLE:
@@ -624,10 +753,20 @@ def check_schedule(schedule: Schedule) -> None:
         assert slot >= 0 and tuple(inbox[s, slot]) == (g, m), (
           f"tick {t}: stage {g} reads the wrong gradient for microbatch {m}"
         )
-      if a == Action.FORWARD and g < G - 1:
-        sent_act[s] = (g + 1, m)
-      if a in (Action.BACKWARD, Action.BACKWARD_INPUT) and g > 0:
-        sent_grad[s] = (g - 1, m)
+      sends_act, sends_grad = sends(Action(a), g, G)
+      for out, sent, what, payload in (
+        (sends_act, sent_act, "activations", (g + 1, m)),
+        (sends_grad, sent_grad, "gradients", (g - 1, m)),
+      ):
+        if out:
+          assert sent[s] is None, f"tick {t}: stage {s} sends two {what} in one exchange"
+          sent[s] = payload
+    if t % K < K - 1:
+      # Nothing arrives before the exchange.
+      assert np.all(schedule.recv_act_slot[t] < 0) and np.all(schedule.recv_grad_slot[t] < 0), (
+        f"tick {t}: a message is stored before the exchange after tick {t - t % K + K - 1}"
+      )
+      continue
     for s in range(P):
       for slots, buffer, sent, what in (
         (schedule.recv_act_slot, stash, sent_act[(s - 1) % P], "activation"),
