@@ -277,12 +277,39 @@ def bytes_per_device(tree) -> int:
 
 WIDTH, LAYERS, BATCH = 512, 8, 256
 STAGES, MICRO = 4, 8
-SCHEDULES = (
+SAVE, K2 = {"activations": "save"}, {"exchange_every": 2}
+#: The pipeline rows: (schedule, options). "save" keeps each forward's residuals
+#: (no rerun in the backward, as in the hand-written GPipe), "K2" exchanges
+#: messages every two ticks (a forward and a backward between exchanges).
+PIPELINES = (
   ("gpipe", {}),
+  ("gpipe", SAVE),
   ("1f1b", {}),
+  ("1f1b", SAVE),
+  ("1f1b", {**SAVE, **K2}),
   ("zb_h1", {}),
+  ("zb_h1", SAVE),
   ("interleaved_1f1b", {"virtual_stages": 2}),
+  ("interleaved_1f1b", {"virtual_stages": 2, **SAVE, **K2}),
 )
+
+
+def pipeline_label(schedule: str, options: dict) -> str:
+  """E.g. "1f1b save K2" for ("1f1b", {"activations": "save", "exchange_every": 2})."""
+  extra = [options["activations"]] if "activations" in options else []
+  extra += [f"K{options['exchange_every']}"] if "exchange_every" in options else []
+  return " ".join([schedule, *extra])
+
+
+def pipeline_table(schedule: str, microbatches: int, options: dict):
+  """The tick table a pipeline row runs."""
+  return parstrat.pipeline.build_schedule(
+    schedule,
+    STAGES,
+    microbatches,
+    virtual_stages=options.get("virtual_stages"),
+    exchange_every=options.get("exchange_every", 1),
+  )
 
 
 def _row(step, state, batches, repeats, lower=None):
@@ -328,13 +355,10 @@ def run_strategies(results, repeats):
     f"data_parallel, {n}": parstrat.DataParallel(data=n),
     f"fsdp, {n}": parstrat.FSDP(data=n),
   }
-  for schedule, options in SCHEDULES:
-    configs[f"pipeline {schedule}, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
+  for schedule, options in PIPELINES:
+    name = f"pipeline {pipeline_label(schedule, options)}, P{STAGES} M{MICRO}"
+    configs[name] = parstrat.PipelineModelParallel(
       stages=STAGES, microbatches=MICRO, schedule=schedule, **options
-    )
-  for schedule in ("gpipe", "1f1b"):
-    configs[f"pipeline {schedule} save, P{STAGES} M{MICRO}"] = parstrat.PipelineModelParallel(
-      stages=STAGES, microbatches=MICRO, schedule=schedule, activations="save"
     )
   configs["hybrid 2x4, M4"] = parstrat.Hybrid(data=2, stages=4, microbatches=4)
   for name, strategy in configs.items():
@@ -351,13 +375,13 @@ def run_strategies(results, repeats):
         strategy.stages,
         strategy.microbatches,
         virtual_stages=strategy.virtual_stages,
+        exchange_every=strategy.exchange_every or 1,
       )
       rows[name]["bubble_scheduled"] = schedule.bubble_fraction()
       rows[name]["bubble_theory"] = schedule.theoretical_bubble()
-      cost = None
-      if getattr(strategy, "activations", "recompute") == "save":  # no forward reruns
-        cost = dict(zip(list(parstrat.pipeline.Action)[1:], (1.0, 2.0, 1.0, 1.0), strict=True))
+      cost = "save" if strategy.activations == "save" else "recompute"
       rows[name]["bubble_lockstep"] = schedule.lockstep_bubble(cost)
+      rows[name]["lockstep_forwards"] = schedule.lockstep_time(cost)
       rows[name]["bubble_measured"], state = measured_bubble(trainer, state, placed[0])
     timers[name] = [step, state, placed]
   ratios = {
@@ -444,24 +468,15 @@ def run_memory(results):
     jax.ShapeDtypeStruct((batch,), jnp.int32),
   )
   out = {}
-  variants = [(name, options, "recompute") for name, options in SCHEDULES]
-  variants += [("gpipe", {}, "save"), ("1f1b", {}, "save")]
-  for schedule, options, activations in variants:
+  for schedule, options in PIPELINES:
     strategy = parstrat.PipelineModelParallel(
-      stages=STAGES,
-      microbatches=microbatches,
-      schedule=schedule,
-      activations=activations,
-      **options,
+      stages=STAGES, microbatches=microbatches, schedule=schedule, **options
     )
     trainer = strategy(model, optax.adam(LR))
     state = trainer.init_abstract(jax.random.key(0), sample)
     analysis = trainer.lower(state, abstract_batch).compile().memory_analysis()
-    table = parstrat.pipeline.build_schedule(
-      schedule, STAGES, microbatches, virtual_stages=strategy.virtual_stages
-    )
-    name = schedule if activations == "recompute" else f"{schedule} {activations}"
-    out[name] = {
+    table = pipeline_table(schedule, microbatches, options)
+    out[pipeline_label(schedule, options)] = {
       "temp_bytes": int(analysis.temp_size_in_bytes),
       "param_opt_bytes_per_device": sum(
         int(np.prod(leaf.sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
@@ -566,6 +581,13 @@ def main():
   print(f"\nstep time ratios (same run, median over {block['passes']} passes):")
   for name, ratio in block["ratios"].items():
     print(f"  {name:56} {ratio:.3f}")
+  print(
+    f"\nlock-step time in stage forwards (each exchange waits for the slowest device; "
+    f"the hand-written GPipe: {3 * (MICRO + STAGES - 1)}, (M + P - 1)(F + B)):"
+  )
+  for name, row in block["rows"].items():
+    if "lockstep_forwards" in row:
+      print(f"  {name:56} {row['lockstep_forwards']:.1f}")
   if "scaling" in results:
     print("\nscaling (examples/s):")
     for name, series in results["scaling"].items():
