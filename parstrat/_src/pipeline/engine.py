@@ -117,6 +117,25 @@ class FlatLayout:
     """The identity (a flat row has no layout inside the map); see `SplitLayout`."""
     return row
 
+  def shared_leaves(self) -> tuple[int, ...]:
+    """The leaf positions k where every stage's k-th leaf has one shape and one offset.
+
+    Those leaves sit at the same place in every stage's buffer, so one slice
+    of a device's row gives its stage's leaf whatever the stage is: a loop
+    can cut them once, outside its per-stage branches (all of them when the
+    stages are alike, e.g. equal blocks).
+    """
+    count = min(len(group) for group in self.stage_leaves)
+    stages = list(zip(self.stage_leaves, self.offsets, strict=True))
+    return tuple(
+      k for k in range(count) if len({(self.shapes[g[k]], offs[k]) for g, offs in stages}) == 1
+    )
+
+  def slice_leaf(self, row: jax.Array, stage: int, k: int) -> jax.Array:
+    """Leaf position k of stage `stage`, sliced out of its flat buffer `row`."""
+    shape = self.shapes[self.stage_leaves[stage][k]]
+    return lax.dynamic_slice_in_dim(row, self.offsets[stage][k], int(np.prod(shape))).reshape(shape)
+
   def to_params(self, stored: jax.Array) -> Any:
     """`[G, size]` stage buffers -> model layout."""
     leaves: list[Any] = [None] * len(self.shapes)
@@ -337,10 +356,13 @@ class StagedModel:
     between = self.program.boundaries[1:-1] or self.program.boundaries[-1:]
     return jnp.result_type(*[b.dtype for b in between])
 
+  def stage_input(self, stage: int, act, x):
+    """The stage's unpadded input: the microbatch's model inputs `x` for stage 0, else `act`."""
+    return x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
+
   def stage_inputs(self, stage: int, row, act, x):
     """The stage's parameter leaves (sliced from `row`) and its unpadded input."""
-    inp = x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
-    return self.layout.stage_params(stage, row), inp
+    return self.layout.stage_params(stage, row), self.stage_input(stage, act, x)
 
   def output(self, stage: int, row, act, x):
     """Stage `stage`'s output, unpadded, in its own dtype."""
@@ -734,28 +756,40 @@ def _autodiff_loss_and_grad(
   stage = lax.axis_index(stage_axis)
   zero_loss = jnp.zeros((), jnp.float32)
 
+  layout = staged.layout
+  shared = layout.shared_leaves()
+
   def branch(g):
-    def run(block, act, xs, ys, m):
-      return staged.forward(g, _chunk(block, 0), act, _microbatch(xs, m), _microbatch(ys, m))
+    def run(block, common, act, xs, ys, m):
+      row, x = _chunk(block, 0), _microbatch(xs, m)
+      own = dict(zip(shared, common, strict=True))
+      leaves = [
+        own[k] if k in own else layout.slice_leaf(row, g, k)
+        for k in range(len(layout.stage_leaves[g]))
+      ]
+      return staged.apply(g, leaves, staged.stage_input(g, act, x), _microbatch(ys, m), dtype)
 
     return run
 
-  def idle(block, act, xs, ys, m):
+  def idle(block, common, act, xs, ys, m):
     return jnp.full((mb, W), bubble_value, dtype), zero_loss
 
   branches = [idle, *(branch(g) for g in range(P))]
 
   @functools.partial(jax.checkpoint, policy=tick_policy(activations))
-  def run_tick(index, block, act, xs, ys, m):
-    return lax.switch(index, branches, block, act, xs, ys, m)
+  def run_tick(index, block, common, act, xs, ys, m):
+    return lax.switch(index, branches, block, common, act, xs, ys, m)
 
   def local_loss(block):
+    # The leaves every stage holds at the same place, cut once per step (not per tick).
+    common = tuple(layout.slice_leaf(_chunk(block, 0), 0, k) for k in shared)
+
     def tick(carry, t):
       act, loss = carry
       m = t - stage
       active = (m >= 0) & (m < M)
       out, d_loss = run_tick(
-        jnp.where(active, stage + 1, 0), block, act, xs, ys, jnp.clip(m, 0, M - 1)
+        jnp.where(active, stage + 1, 0), block, common, act, xs, ys, jnp.clip(m, 0, M - 1)
       )
       return (_shift(out, stage_axis, P, +1), loss + d_loss), None
 
