@@ -391,29 +391,19 @@ def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_
 
 
 # Leaves at the same place in every stage's buffer (same shape, same offset) are cut
-# from the device's row once per step, outside the tick loop; the others per tick. GPipe
-# (autodiff of its forward loop) and 1F1B with saved residuals (the tick-table engine,
-# whose forward keeps residuals beside the hoisted leaves).
+# from the device's row once per step, outside the tick loop; the others per tick.
 @pytest.mark.parametrize(
   "widths, features, shared",
   [([16, 16, 16, 16], 16, (0, 1, 2, 3)), ([16, 16, 16, 10], 8, (0,))],
 )
-@pytest.mark.parametrize("schedule, activations", [("gpipe", "recompute"), ("1f1b", "save")])
-def test_leaves_alike_in_every_stage_are_cut_once_per_step(
-  widths, features, shared, schedule, activations
-):
+def test_gpipe_cuts_the_leaves_alike_in_every_stage_once_per_step(widths, features, shared):
   model = mlp(widths)
   params = model.init(jax.random.key(0), jnp.zeros((1, features)))
   # Two layers (bias, weight each) per stage, as cuts=(2,) gives.
   layout = engine.FlatLayout.build(params, ((0, 1, 2, 3), (4, 5, 6, 7)))
   assert layout.shared_leaves() == shared
   strategy = parstrat.PipelineModelParallel(
-    stages=2,
-    microbatches=2,
-    schedule=schedule,
-    activations=activations,
-    cuts=(2,),
-    bubble_value=float("nan"),
+    stages=2, microbatches=2, schedule="gpipe", cuts=(2,), bubble_value=float("nan")
   )
   parstrat.testing.check_strategy(
     strategy, model, [optax.sgd(0.1)], steps=3, batch=8, features=features

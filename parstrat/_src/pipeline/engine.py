@@ -567,68 +567,56 @@ def pipeline_loss_and_grad(
   no_res = jnp.zeros(slot.shape, slot.dtype)
   res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
 
-  layout = staged.layout
-  flat = isinstance(layout, FlatLayout)
-  # Leaves every model stage holds at the same place in its buffer: cut from the
-  # device's rows once per step (per chunk), outside the tick loop.
-  shared = layout.shared_leaves() if flat else ()
+  def saved_pullback(g, row, act, res, x):
+    """(d row, d padded input) of model stage g from its saved residuals."""
+    leaves, inp = staged.stage_inputs(g, row, act, x)
+    vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
 
-  def stage_leaves(g: int, row, common):
-    """Model stage g's leaves: the shared ones from `common`, the others cut from `row`."""
-    if not shared:
-      return layout.stage_params(g, row)
-    own = dict(zip(shared, common, strict=True))
-    count = len(layout.stage_leaves[g])
-    return [own[k] if k in own else layout.slice_leaf(row, g, k) for k in range(count)]
+    def pull(cotangents):
+      d_leaves, d_inp = vjp_fn(cotangents)
+      _, to_row = jax.vjp(lambda r: staged.layout.stage_params(g, r), row)
+      d_act = fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
+      return to_row(d_leaves)[0], d_act
 
-  def add_grads(grads, g: int, row, d_leaves):
-    """Adds model stage g's leaf gradients into its chunk's row of `grads`, in place."""
-    _, to_row = jax.vjp(lambda r: layout.stage_params(g, r), row)
-    return layout.constrain(_add_chunk(grads, g // P, to_row(d_leaves)[0]))
+    return pull
 
-  def backward(action: Action, g: int, leaves, act, grad, res, x, y):
-    """(d leaves, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
+  def backward(action: Action, g: int, row, act, grad, res, x, y):
+    """(d row, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
     cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
-    inp = staged.stage_input(g, act, x)
     if g in residuals:
-      d_leaves, d_inp = residuals_lib.pullback(residuals[g], res, leaves, inp)(cotangents)
-    else:
-
-      def f(leaves, inp):
-        return staged.apply(g, leaves, inp, y, dtype)
-
-      if action == Action.BACKWARD_WEIGHT or g == 0:  # (the batch has no gradient)
-        d_leaves, d_inp = jax.vjp(lambda leaves: f(leaves, inp), leaves)[1](cotangents)[0], None
-      elif action == Action.BACKWARD_INPUT:
-        d_leaves, d_inp = None, jax.vjp(lambda inp: f(leaves, inp), inp)[1](cotangents)[0]
-      else:
-        d_leaves, d_inp = jax.vjp(f, leaves, inp)[1](cotangents)
-    if g == 0 or d_inp is None or action == Action.BACKWARD_WEIGHT:
-      return d_leaves, fill
-    return d_leaves, partition_lib.pad_to(d_inp, W).astype(dtype)
+      return saved_pullback(g, row, act, res, x)(cotangents)
+    if action == Action.BACKWARD:
+      _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
+      return pullback(cotangents)
+    if action == Action.BACKWARD_INPUT:
+      _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
+      return None, pullback(cotangents)[0]
+    _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
+    return pullback(cotangents)[0], fill
 
   # Each branch takes the gradient accumulator and returns it, adding its chunk's
   # gradient in place in B and W passes only: no tick adds or builds a zero buffer
   # the size of the params. (XLA copies what a branch passes through unchanged, so
   # the residual slots stay outside: a branch reads and returns one slot.)
   def branch(action: Action, g: int):
-    def run(block, commons, grads, act, grad, res, x, y):
+    def run(block, grads, act, grad, res, x, y):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
         return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
       row = _chunk(block, g // P)
-      leaves = stage_leaves(g, row, commons[g // P])
       if action == Action.FORWARD:
-        inp = staged.stage_input(g, act, x)
         if g not in residuals:
-          out, loss = staged.apply(g, leaves, inp, y, dtype)
+          out, loss = staged.forward(g, row, act, x, y)
           return out, fill, grads, loss, no_res
+        leaves, inp = staged.stage_inputs(g, row, act, x)
         out, loss, res = residuals_lib.forward_saving(
           staged, g, leaves, inp, y, dtype, activations, slot
         )
         return out, fill, grads, loss, res
-      d_leaves, d_act = backward(action, g, leaves, act, grad, res, x, y)
+      d_row, d_act = backward(action, g, row, act, grad, res, x, y)
       if action != Action.BACKWARD_INPUT:
-        grads = add_grads(grads, g, row, d_leaves)
+        grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
+      if action == Action.BACKWARD_WEIGHT:
+        d_act = fill
       return fill, d_act, grads, zero_loss, no_res
 
     return run
@@ -640,10 +628,6 @@ def pipeline_loss_and_grad(
   K = schedule.exchange_every
   sends = np.vectorize(schedule_lib.sends)(schedule.action, np.maximum(schedule.model_stage, 0), G)
   tables = jnp.concatenate([tables, jnp.asarray(np.stack(sends).astype(np.int32))])
-
-  commons = tuple(
-    tuple(layout.slice_leaf(_chunk(block, j), 0, k) for k in shared) for j in range(v)
-  )
 
   def exchange(e, carry):
     """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""
@@ -658,7 +642,6 @@ def pipeline_loss_and_grad(
         index,
         branches,
         block,
-        commons,
         grads,
         _read(stash, a_slot),
         _read(inbox, g_slot),
