@@ -256,6 +256,12 @@ def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
   assert "2 stages x 3 virtual x 4 microbatches" in capsys.readouterr().out
   assert cli.main([*args[:-1], "gpipe", "--virtual-stages", "2"]) == 2
   assert "virtual_stages=2 needs schedule 'interleaved_1f1b'" in capsys.readouterr().err
+  paired = ["schedule", "--stages", "2", "--microbatches", "3", "--exchange-every", "2"]
+  assert cli.main([*paired, "--out", str(tmp_path / "k2.png")]) == 0
+  out = capsys.readouterr().out
+  assert "10 ticks (5 exchanges, one every 2)" in out
+  assert "stage 0: F0  . F1  . F2 B0 B1  . B2  ." in out
+  assert "in forwards of one stage: 16 recomputing activations, 12 saving them" in out
   with pytest.raises(SystemExit):
     cli.main(["schedule", "--help"])
   assert "(default: 1f1b)" in capsys.readouterr().out
