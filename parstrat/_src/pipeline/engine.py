@@ -108,10 +108,7 @@ class FlatLayout:
 
   def stage_params(self, stage: int, row: jax.Array) -> list[jax.Array]:
     """Stage `stage`'s leaves, sliced out of its flat buffer `row`."""
-    return [
-      lax.dynamic_slice_in_dim(row, off, int(np.prod(self.shapes[i]))).reshape(self.shapes[i])
-      for i, off in zip(self.stage_leaves[stage], self.offsets[stage], strict=True)
-    ]
+    return [self.slice_leaf(row, stage, k) for k in range(len(self.stage_leaves[stage]))]
 
   def constrain(self, row: jax.Array) -> jax.Array:
     """The identity (a flat row has no layout inside the map); see `SplitLayout`."""
@@ -478,10 +475,11 @@ def pipeline_loss_and_grad(
                     add d params[j] to the gradients in place, send d input back
           BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
           BACKWARD_WEIGHT: the same, but only d params[j]
-          IDLE:     nothing (with K = 1 it sends `bubble_value`, never read)
-      exchange: send the tick's (K = 1) or the exchange's one activation and
-      one gradient; store what arrived from device s-1 / s+1 into the slots
-      the schedule names
+          IDLE:     nothing
+      exchange: send the exchange's one activation and one gradient (or
+      `bubble_value` where its ticks computed none: never read by a correct
+      schedule); store what arrived from device s-1 / s+1 into the slots the
+      schedule names
     loss = psum over stages of the last stage's summed microbatch losses / M
 
   Activations go to device s+1 and gradients to s-1; with virtual stages the
