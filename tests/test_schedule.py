@@ -320,7 +320,10 @@ def test_an_exchange_every_two_ticks_brings_every_schedule_to_gpipes_lockstep_ti
     "stage 0: F0  . F1  . F2 B0 B1  . B2  .",
     "stage 1:  .  . F0 B0 F1 B1 F2 B2  .  .",
   ]
-  # Exchanges after ticks 1, 3, ...: at most F + B each, and 2 + 3 + 3 + 3 + 2 + ... in all.
+  with pytest.raises(ValueError, match=r"Unknown pass costs 'saved'; give a dict or one of"):
+    one_f.lockstep_time("saved")
+  assert one_f.lockstep_time(None) == one_f.lockstep_time("recompute") == 16
+  # Exchanges after ticks 1, 3, ...: at most F + B each: 1 + 3 + 3 + 3 + 2 in all.
   assert one_f.lockstep_time("save") == 1 + 3 + 3 + 3 + 2 == 3 * (3 + 2 - 1)
 
 

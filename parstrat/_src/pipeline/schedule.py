@@ -195,6 +195,21 @@ SAVED_COST = {
 #: Pass costs by `activations` name (for `Schedule.lockstep_time`).
 PASS_COSTS = {"recompute": RECOMPUTE_COST, "save": SAVED_COST}
 
+
+def pass_costs(cost: dict[Action, float] | str | None) -> dict[Action, float]:
+  """`cost` itself, or the `PASS_COSTS` of a name ("recompute" for None).
+
+  Raises:
+    ValueError: for a name that is not in `PASS_COSTS`.
+  """
+  if isinstance(cost, dict):
+    return cost
+  name = "recompute" if cost is None else cost
+  if name not in PASS_COSTS:
+    raise ValueError(f"Unknown pass costs {cost!r}; give a dict or one of {sorted(PASS_COSTS)}.")
+  return PASS_COSTS[name]
+
+
 #: The virtual stages each schedule uses when none are given.
 DEFAULT_VIRTUAL_STAGES = {"interleaved_1f1b": 2}
 
@@ -300,7 +315,7 @@ class Schedule:
       live.append(peak)
     return live
 
-  def lockstep_time(self, cost: dict[Action, float] | str = "recompute") -> float:
+  def lockstep_time(self, cost: dict[Action, float] | str | None = "recompute") -> float:
     """The step's length when the devices wait for each other at every exchange.
 
     The engine runs in lock-step: each exchange of messages waits for every
@@ -321,16 +336,16 @@ class Schedule:
       >>> pipeline.build_schedule("1f1b", 4, 8, exchange_every=2).lockstep_time("save")
       33.0
     """
-    cost = PASS_COSTS[cost] if isinstance(cost, str) else cost
+    cost = pass_costs(cost)
     table = np.vectorize(lambda a: 0.0 if a == Action.IDLE else cost[Action(a)])(self.action)
     if not table.size:
       return 0.0
     per_exchange = table.reshape(self.num_exchanges, self.exchange_every, self.stages).sum(1)
     return float(per_exchange.max(axis=1).sum()) / self.virtual_stages
 
-  def lockstep_bubble(self, cost: dict[Action, float] | str = "recompute") -> float:
+  def lockstep_bubble(self, cost: dict[Action, float] | str | None = "recompute") -> float:
     """The idle share of `lockstep_time`: 1 - (work per device) / (lock-step time)."""
-    cost = PASS_COSTS[cost] if isinstance(cost, str) else cost
+    cost = pass_costs(cost)
     work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE)
     return 1.0 - work / self.stages / self.virtual_stages / self.lockstep_time(cost)
 
