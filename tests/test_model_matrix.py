@@ -49,6 +49,10 @@ STRATEGIES = {
   "pipeline:4,gpipe": lambda: parstrat.PipelineModelParallel(
     stages=4, microbatches=4, schedule="gpipe"
   ),
+  # Two passes per message exchange (#15), with each forward's residuals kept.
+  "pipeline:2,exchange2": lambda: parstrat.PipelineModelParallel(
+    stages=2, microbatches=4, exchange_every=2, activations="save"
+  ),
   "hybrid:2x2x2": lambda: parstrat.Hybrid(data=2, stages=2, model=2),
   "hybrid:4x2": lambda: parstrat.Hybrid(data=4, stages=2),
   "auto:8": lambda: parstrat.Auto(
@@ -106,6 +110,8 @@ EXPECTED = {
   ("pipeline:2", "lm_untied", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "shared", "adam"): "layers 'shared' and 'middle' are used interleaved",
   ("pipeline:2", "shared", "clip_sgd"): MATCH,
+  ("pipeline:2,exchange2", "lm_untied", "adam"): MATCH,
+  ("pipeline:2,exchange2", "residual_mlp", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "dropout", "sgd_momentum"): NO_RNG,
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
