@@ -163,13 +163,19 @@ def make_pipeline_plan(
     f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
     f"{', by autodiff of the forward loop' if engine.runs_by_autodiff(sched, layout) else ''}"
   )
+  replicas = 1 if mesh is None else dict(mesh.shape).get(DATA, 1)
+
+  def reduce(loss_and_grads):
+    """The mean over data replicas: none with one (XLA would still run a no-op all-reduce)."""
+    return loss_and_grads if replicas == 1 else average_gradients(loss_and_grads, DATA)
+
   plan = Plan(
     param_spec=P(STAGE),
     batch_spec=P(DATA),
     to_stored=layout.to_stored,
     to_params=layout.to_params,
     loss_and_grad=loss_and_grad,
-    reduce=lambda loss_and_grads: average_gradients(loss_and_grads, DATA),
+    reduce=reduce,
     forward=forward,
     batch_multiple=microbatches,
     check_vma=False,
