@@ -345,6 +345,11 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
   for name in ("zb_h1", "interleaved", "exchange_every"):
     np.testing.assert_allclose(losses[name], losses["1f1b"], rtol=1e-5)
   assert "(an exchange every 2)" in outputs["exchange_every"]
+  assert (
+    "options: schedule=1f1b, activations=save, exchange_every=2, microbatches=2"
+    in (outputs["exchange_every"])
+  )
+  assert "schedule=interleaved_1f1b, virtual_stages=2," in outputs["interleaved"]
   assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
   assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]
 

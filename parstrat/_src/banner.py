@@ -79,7 +79,7 @@ def layout(trainer, state, available: Sequence[jax.Device]) -> Layout:
 
 
 def options(trainer) -> list[str]:
-  """The trainer's active options: precision, accumulate, pipeline schedule and microbatches."""
+  """The trainer's active options: precision, accumulate, a pipeline's schedule options."""
   shown = []
   if trainer.precision is not None:
     shown.append(f"precision={trainer.precision}")
@@ -89,6 +89,14 @@ def options(trainer) -> list[str]:
   if trainer.mesh.shape.get("stage", 1) > 1:  # a pipeline: its schedule and microbatches
     if getattr(strategy, "schedule", None) is not None:
       shown.append(f"schedule={strategy.schedule}")
+    for name, default in (
+      ("virtual_stages", None),
+      ("activations", "recompute"),
+      ("exchange_every", None),
+    ):
+      value = getattr(strategy, name, default)
+      if value != default:
+        shown.append(f"{name}={value}")
     default = " (default: one per stage)" if getattr(strategy, "microbatches", 0) is None else ""
     shown.append(f"microbatches={trainer.plan.batch_multiple}{default}")
   if trainer.skip_nonfinite:
