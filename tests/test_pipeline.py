@@ -368,16 +368,13 @@ def test_saved_activations_match_jit(schedule, activations, virtual_stages):
 
 # Two ticks between message exchanges (a forward and a backward per exchange in the
 # steady state): the exchange carries the one activation and the one gradient each
-# device sent in either tick, NaN in every bubble. Adam once, SGD on each schedule.
+# device sent in either tick, NaN in every bubble. SGD (it fails if a gradient is
+# scaled or misrouted); Adam runs with exchange_every=2 in the model matrix (the LM).
 @pytest.mark.parametrize(
-  "schedule, activations, virtual_stages, optimizers",
-  [
-    ("1f1b", "save", None, [optax.sgd(0.1), optax.adam(1e-3)]),
-    ("zb_h1", "recompute", None, [optax.sgd(0.1)]),
-    ("interleaved_1f1b", "save", 2, [optax.sgd(0.1)]),
-  ],
+  "schedule, activations, virtual_stages",
+  [("1f1b", "save", None), ("zb_h1", "recompute", None), ("interleaved_1f1b", "save", 2)],
 )
-def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_stages, optimizers):
+def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_stages):
   strategy = parstrat.PipelineModelParallel(
     stages=4,
     microbatches=4,
@@ -387,7 +384,7 @@ def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_
     exchange_every=2,
     bubble_value=float("nan"),
   )
-  parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=3, batch=16)
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 
 
 # Leaves at the same place in every stage's buffer (same shape, same offset) are cut
