@@ -301,14 +301,14 @@ def pipeline_label(schedule: str, options: dict) -> str:
   return " ".join([schedule, *extra])
 
 
-def pipeline_table(schedule: str, microbatches: int, options: dict):
-  """The tick table a pipeline row runs."""
+def pipeline_table(strategy):
+  """The tick table a `PipelineModelParallel` or `Hybrid` row runs."""
   return parstrat.pipeline.build_schedule(
-    schedule,
-    STAGES,
-    microbatches,
-    virtual_stages=options.get("virtual_stages"),
-    exchange_every=options.get("exchange_every", 1),
+    strategy.schedule,
+    strategy.stages,
+    strategy.microbatches,
+    virtual_stages=strategy.virtual_stages,
+    exchange_every=strategy.exchange_every or 1,
   )
 
 
@@ -370,13 +370,7 @@ def run_strategies(results, repeats):
       step, state, placed, repeats, lambda s, t=trainer, b=placed[0]: t.lower(s, b)
     )
     if name.startswith(("pipeline", "hybrid")):
-      schedule = parstrat.pipeline.build_schedule(
-        strategy.schedule,
-        strategy.stages,
-        strategy.microbatches,
-        virtual_stages=strategy.virtual_stages,
-        exchange_every=strategy.exchange_every or 1,
-      )
+      schedule = pipeline_table(strategy)
       rows[name]["bubble_scheduled"] = schedule.bubble_fraction()
       rows[name]["bubble_theory"] = schedule.theoretical_bubble()
       cost = "save" if strategy.activations == "save" else "recompute"
@@ -475,7 +469,7 @@ def run_memory(results):
     trainer = strategy(model, optax.adam(LR))
     state = trainer.init_abstract(jax.random.key(0), sample)
     analysis = trainer.lower(state, abstract_batch).compile().memory_analysis()
-    table = pipeline_table(schedule, microbatches, options)
+    table = pipeline_table(strategy)
     out[pipeline_label(schedule, options)] = {
       "temp_bytes": int(analysis.temp_size_in_bytes),
       "param_opt_bytes_per_device": sum(

@@ -739,7 +739,7 @@ class Trainer:
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
-    self._branches_checked: set[tuple[str, int]] = set()  # (program, batch size) read
+    self._branches_checked = set()  # (program, batch size) pairs read: none for a new layout
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
     self.__dict__.pop("_compiled_export", None)
