@@ -385,6 +385,17 @@ def _store(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
   return lax.dynamic_update_index_in_dim(buffer, jnp.where(slot >= 0, value, kept), index, 0)
 
 
+def _put(buffer: jax.Array, slot: jax.Array, value: jax.Array) -> jax.Array:
+  """Writes `value` into `buffer[slot]`, or into the spare last slot when `slot < 0`.
+
+  One in-place slot write either way, where `_store` reads and selects the slot it
+  keeps: for the buffers of a tick loop that write most ticks.
+  """
+  return lax.dynamic_update_index_in_dim(
+    buffer, value, jnp.where(slot < 0, buffer.shape[0] - 1, slot), 0
+  )
+
+
 def _read(buffer: jax.Array, slot: jax.Array) -> jax.Array:
   return lax.dynamic_index_in_dim(buffer, jnp.maximum(slot, 0), keepdims=False)
 
@@ -562,7 +573,7 @@ def pipeline_loss_and_grad(
     for g in sorted({g for _, g in keys if g >= 0}):
       residuals[g] = residuals_lib.find_residuals(staged, g, *avals, dtype, activations)
   slot = residuals_lib.slot_format(list(residuals.values()))
-  no_res = jnp.zeros(slot.shape, slot.dtype)
+  no_res = tuple(jnp.zeros(part.shape, part.dtype) for part in slot)
   res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
 
   def saved_pullback(g, row, act, res, x):
@@ -595,12 +606,15 @@ def pipeline_loss_and_grad(
   # Each branch takes the gradient accumulator and returns it, adding its chunk's
   # gradient in place in B and W passes only: no tick adds or builds a zero buffer
   # the size of the params. (XLA copies what a branch passes through unchanged, so
-  # the residual slots stay outside: a branch reads and returns one slot.)
+  # the slot buffers stay outside as read-only operands: a branch reads only the
+  # slots its pass needs, and returns at most one new residual slot.)
   def branch(action: Action, g: int):
-    def run(block, grads, act, grad, res, x, y):
+    def run(block, grads, stash, inbox, saved, slots, x, y):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
         return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
+      a_slot, g_slot, r_slot = slots
       row = _chunk(block, g // P)
+      act = _read(stash, a_slot)
       if action == Action.FORWARD:
         if g not in residuals:
           out, loss = staged.forward(g, row, act, x, y)
@@ -610,6 +624,8 @@ def pipeline_loss_and_grad(
           staged, g, leaves, inp, y, dtype, activations, slot
         )
         return out, fill, grads, loss, res
+      grad = _read(inbox, g_slot)
+      res = tuple(_read(part, r_slot) for part in saved) if g in residuals else None
       d_row, d_act = backward(action, g, row, act, grad, res, x, y)
       if action != Action.BACKWARD_INPUT:
         grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
@@ -641,13 +657,15 @@ def pipeline_loss_and_grad(
         branches,
         block,
         grads,
-        _read(stash, a_slot),
-        _read(inbox, g_slot),
-        _read(saved, r_slot),
+        stash,
+        inbox,
+        saved,
+        (a_slot, g_slot, r_slot),
         _microbatch(xs, m),
         _microbatch(ys, m),
       )
-      saved = _store(saved, rw_slot, res)
+      if residuals:
+        saved = tuple(_put(part, rw_slot, r) for part, r in zip(saved, res, strict=True))
       loss = loss + d_loss
       if K == 1:
         send_act, send_grad = act, grad
@@ -655,14 +673,14 @@ def pipeline_loss_and_grad(
         send_act = jnp.where(sends_act > 0, act, send_act)
         send_grad = jnp.where(sends_grad > 0, grad, send_grad)
     last = e * K + K - 1  # the receive slots sit in the exchange's last tick
-    stash = _store(stash, tables[4, last, stage], _shift(send_act, stage_axis, P, +1, cyclic))
-    inbox = _store(inbox, tables[5, last, stage], _shift(send_grad, stage_axis, P, -1, cyclic))
+    stash = _put(stash, tables[4, last, stage], _shift(send_act, stage_axis, P, +1, cyclic))
+    inbox = _put(inbox, tables[5, last, stage], _shift(send_grad, stage_axis, P, -1, cyclic))
     return stash, inbox, saved, grads, loss
 
   carry = (
-    jnp.full((schedule.num_act_slots, mb, W), bubble_value, dtype),
-    jnp.full((schedule.num_grad_slots, mb, W), bubble_value, dtype),
-    jnp.zeros((num_res, *slot.shape), slot.dtype),
+    jnp.full((schedule.num_act_slots + 1, mb, W), bubble_value, dtype),  # (+ a spare:
+    jnp.full((schedule.num_grad_slots + 1, mb, W), bubble_value, dtype),  # see `_put`)
+    tuple(jnp.zeros((num_res + 1, *part.shape), part.dtype) for part in slot),
     staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
     zero_loss,
   )

@@ -8,8 +8,9 @@ keeps what that policy saves and the backward recomputes the rest.
 
 Residuals that are the stage's own parameters or its input are not stored
 again (both are at hand in the backward); the others are packed into one slot
-of a per-device buffer, `Schedule.residual_slots` slots deep: flattened in
-their own dtype when all residuals share one (the usual case), else as bytes.
+of per-device buffers, `Schedule.residual_slots` slots deep: one flat buffer
+per dtype (float32 activations, and the int32 indices and bool masks of a
+loss's backward), each residual in its own dtype, never bitcast to bytes.
 """
 
 from __future__ import annotations
@@ -56,22 +57,27 @@ class Residuals:
   sources: tuple[int | str | None, ...]
   stored: tuple[jax.ShapeDtypeStruct, ...]
 
-  @property
-  def nbytes(self) -> int:
-    return sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in self.stored)
 
+def slot_format(residuals: Sequence[Residuals]) -> tuple[jax.ShapeDtypeStruct, ...]:
+  """One residual slot: per dtype any stage stores, a `[size]` array large enough for each.
 
-def slot_format(residuals: Sequence[Residuals]) -> jax.ShapeDtypeStruct:
-  """One residual slot, `[size]` of a dtype, that holds any of the stages' residuals.
-
-  The residuals' own dtype when they all share one, else bytes (uint8).
+  Sorted by dtype name; a single float32 `[1]` array when nothing is stored.
   """
-  dtypes = {jnp.dtype(a.dtype) for r in residuals for a in r.stored}
-  if len(dtypes) == 1 and jnp.dtype(jnp.bool_) not in dtypes:
-    (dtype,) = dtypes
-    size = max(sum(int(np.prod(a.shape)) for a in r.stored) for r in residuals)
-    return jax.ShapeDtypeStruct((max(size, 1),), dtype)
-  return jax.ShapeDtypeStruct((max([1, *(r.nbytes for r in residuals)]),), jnp.uint8)
+  sizes: dict[np.dtype, int] = {}
+  for r in residuals:
+    for dtype, n in _sizes(r.stored).items():
+      sizes[dtype] = max(sizes.get(dtype, 0), n)
+  if not sizes:
+    return (jax.ShapeDtypeStruct((1,), jnp.float32),)
+  return tuple(jax.ShapeDtypeStruct((sizes[d],), d) for d in sorted(sizes, key=str))
+
+
+def _sizes(avals: Sequence[Any]) -> dict[np.dtype, int]:
+  sizes: dict[np.dtype, int] = {}
+  for a in avals:
+    dtype = jnp.dtype(a.dtype)
+    sizes[dtype] = sizes.get(dtype, 0) + int(np.prod(a.shape))
+  return sizes
 
 
 def stage_function(staged, stage: int, y, dtype, activations: str):
@@ -127,50 +133,37 @@ def pullback(residuals: Residuals, packed: jax.Array, leaves, inp):
   return jax.tree.unflatten(residuals.treedef, res)
 
 
-def _as_bytes(x: jax.Array) -> jax.Array:
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint8).reshape(-1)
-  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+def pack(arrays: Sequence[jax.Array], slot: Sequence[jax.ShapeDtypeStruct]) -> tuple:
+  """The arrays flattened and concatenated per dtype, each zero-padded to its part of `slot`."""
+  out = []
+  for part in slot:
+    flat = [x.reshape(-1) for x in arrays if jnp.dtype(x.dtype) == jnp.dtype(part.dtype)]
+    flat = jnp.concatenate(flat) if flat else jnp.zeros((0,), part.dtype)
+    out.append(jnp.pad(flat, (0, part.shape[0] - flat.shape[0])))
+  return tuple(out)
 
 
-def pack(arrays: Sequence[jax.Array], slot: jax.ShapeDtypeStruct) -> jax.Array:
-  """The arrays flattened (as bytes when `slot` is uint8), concatenated, zero-padded to `slot`."""
-  as_bytes = slot.dtype == jnp.uint8
-  parts = [_as_bytes(x) if as_bytes else x.reshape(-1) for x in arrays]
-  flat = jnp.concatenate(parts) if parts else jnp.zeros((0,), slot.dtype)
-  return jnp.pad(flat, (0, slot.shape[0] - flat.shape[0]))
-
-
-def unpack(flat: jax.Array, avals: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+def unpack(packed: Sequence[jax.Array], avals: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
   """The inverse of `pack` for arrays shaped like `avals`.
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from parstrat._src.pipeline import residuals
-    >>> arrays = [jnp.arange(3.0), jnp.array([True, False])]
+    >>> arrays = [jnp.arange(3.0), jnp.array([True, False]), jnp.ones((2, 2))]
     >>> avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     >>> slot = residuals.slot_format([residuals.Residuals(None, (), tuple(avals))])
-    >>> slot.dtype, slot.shape  # mixed dtypes: bytes
-    (dtype('uint8'), (14,))
+    >>> [(part.dtype.name, part.shape) for part in slot]  # one flat array per dtype
+    [('bool', (2,)), ('float32', (7,))]
     >>> back = residuals.unpack(residuals.pack(arrays, slot), avals)
     >>> [b.tolist() for b in back]
-    [[0.0, 1.0, 2.0], [True, False]]
+    [[0.0, 1.0, 2.0], [True, False], [[1.0, 1.0], [1.0, 1.0]]]
   """
-  out, offset = [], 0
+  parts = {jnp.dtype(p.dtype): p for p in packed}
+  offsets = dict.fromkeys(parts, 0)
+  out = []
   for aval in avals:
-    dtype = jnp.dtype(aval.dtype)
-    if flat.dtype == dtype:  # stored in its own dtype
-      n = int(np.prod(aval.shape))
-      out.append(lax.slice_in_dim(flat, offset, offset + n).reshape(aval.shape))
-      offset += n
-      continue
-    n = int(np.prod(aval.shape)) * dtype.itemsize
-    chunk = lax.slice_in_dim(flat, offset, offset + n)
-    offset += n
-    if dtype == jnp.bool_:
-      out.append(chunk.reshape(aval.shape) != 0)
-    elif dtype.itemsize == 1:
-      out.append(lax.bitcast_convert_type(chunk.reshape(aval.shape), dtype))
-    else:
-      out.append(lax.bitcast_convert_type(chunk.reshape(*aval.shape, dtype.itemsize), dtype))
+    dtype, n = jnp.dtype(aval.dtype), int(np.prod(aval.shape))
+    start = offsets[dtype]
+    out.append(lax.slice_in_dim(parts[dtype], start, start + n).reshape(aval.shape))
+    offsets[dtype] = start + n
   return out
