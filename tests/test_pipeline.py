@@ -311,6 +311,38 @@ def test_activation_policies_trade_memory_for_compute():
 ACTIVATIONS = ("recompute", "save", "dots_saveable")
 
 
+def _forwards_per_step(schedule, activations):
+  """How often a step runs each layer's forward, per microbatch, counted on the devices."""
+  calls = []
+
+  def model(x):
+    for _ in range(8):
+      x = jax.nn.swish(hk.Linear(16)(x))
+      jax.debug.callback(lambda: calls.append(1))
+    return x
+
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=4, schedule=schedule, activations=activations
+  )
+  trainer = strategy(hk.transform(model), optax.sgd(0.1))
+  x, y = np.ones((16, 16), np.float32), np.zeros((16,), np.int32)
+  state = trainer.init(jax.random.key(0), x[:1])
+  jax.effects_barrier()
+  calls.clear()
+  jax.block_until_ready(trainer.step(state, (x, y)))
+  jax.effects_barrier()
+  return len(calls) / (8 * 4)
+
+
+def test_backward_passes_rerun_the_forward_only_under_recompute():
+  # 1F1B's B reruns the forward once; ZB-H1's I and W rerun it each (3 runs on the
+  # stages 1..3, 2 on stage 0 that has no I pass: 2.75 on average); "save" runs each
+  # forward once.
+  assert _forwards_per_step("1f1b", "recompute") == 2
+  assert _forwards_per_step("zb_h1", "recompute") == 2.75
+  assert _forwards_per_step("zb_h1", "save") == 1
+
+
 def test_gpipe_is_autodiff_of_the_forward_loop_and_keeps_its_params_out_of_the_ticks():
   M = 8
   params = {"w": jnp.zeros((4, 2))}
