@@ -3,7 +3,8 @@
 Measures, on the same model and global batch:
 
 * data parallel: single-device `jax.jit`, hand-written `jax.pmap` and
-  `jit(shard_map)` (replicated params, one `pmean` of loss and gradients),
+  `jit(shard_map)` (replicated params, one `pmean` of loss and gradients), a
+  hand-written FSDP (`jit` on params and optimizer state sharded over "data"),
   `parstrat.DataParallel` and `parstrat.FSDP`;
 * pipeline: a hand-written `shard_map` + `ppermute` GPipe loop (homogeneous
   stages, autodiff through the loop), and `parstrat.PipelineModelParallel`
@@ -22,7 +23,7 @@ Times are medians of repeated steps after a warm-up; ratios compare programs
 measured in the same run, which is all that virtual CPU devices (all sharing
 this machine's cores) can honestly support.
 
-Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--passes 3] [--quick]
+Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--passes 3] [--batch 1024] [--quick]
 [--json benchmarks/results.json]
 (also writes the charts beside the JSON: results_strategies.png, results_scaling_bubble.png)
 """
@@ -47,6 +48,12 @@ def _parse() -> argparse.Namespace:
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--passes", type=int, default=3, help="timing passes over every row")
+  parser.add_argument(
+    "--batch",
+    type=int,
+    default=1024,
+    help="global batch of the timed rows (1024: microbatches of 128 at M=8, as in issue #15)",
+  )
   parser.add_argument("--json", default="benchmarks/results.json")
   parser.add_argument(
     "--quick", action="store_true", help="only the strategy and memory tables (no charts)"
@@ -138,7 +145,35 @@ def pmap_reference(model, optimizer, params, n):
   return step, state, shard
 
 
-def shard_map_dp_reference(model, optimizer, params, n):
+def update_step(loss_and_grads, optimizer, metrics, **jit_options):
+  """The jitted update every multi-device reference shares (state donated).
+
+  With `metrics`, the step also returns what parstrat's step returns besides the
+  state, the loss, the gradients' global norm and a finite flag, carried as a
+  third state element: a hand-written step that reports the same things.
+  """
+
+  def step(carry, batch):
+    params, opt_state = carry[:2]
+    loss, grads = loss_and_grads(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), opt_state)
+    if not metrics:
+      return new
+    norm = optax.tree_utils.tree_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+    return (*new, {"loss": loss, "grad_norm": norm, "finite": finite})
+
+  return jax.jit(step, donate_argnums=0, **jit_options)
+
+
+def no_metrics(sharding):
+  """The initial metrics of a `metrics=True` reference's state, placed by `sharding`."""
+  zero = jnp.zeros((), jnp.float32)
+  return jax.device_put({"loss": zero, "grad_norm": zero, "finite": jnp.bool_(True)}, sharding)
+
+
+def shard_map_dp_reference(model, optimizer, params, n, metrics=False):
   """Data parallelism as a user writes it today: `jit(shard_map)` + one `pmean`."""
   mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
   loss = loss_of(model)
@@ -149,19 +184,46 @@ def shard_map_dp_reference(model, optimizer, params, n):
   grad_fn = jax.shard_map(
     local, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False
   )
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(carry, batch):
-    params, opt_state = carry
-    _, grads = grad_fn(params, *batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  state = jax.device_put((params, optimizer.init(params)), NamedSharding(mesh, P()))
+  step = update_step(lambda params, batch: grad_fn(params, *batch), optimizer, metrics)
+  replicated = NamedSharding(mesh, P())
+  state = jax.device_put((params, optimizer.init(params)), replicated)
+  state = (*state, no_metrics(replicated)) if metrics else state
   return step, state, lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
 
 
-def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=1):
+def fsdp_reference(model, optimizer, params, n, metrics=False):
+  """FSDP as a user writes it today: `jit` on params sharded over "data", XLA's collectives.
+
+  Each leaf is split along its largest dimension that n divides (else replicated),
+  the optimizer state alike, the batch over "data"; the partitioner inserts the
+  all-gathers and reduce-scatters.
+  """
+  mesh = jax.make_mesh(
+    (n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
+  )
+  loss = loss_of(model)
+
+  def sharding(leaf):
+    dims = [d for d in np.argsort(np.shape(leaf))[::-1] if np.shape(leaf)[d] % n == 0]
+    spec = [None] * np.ndim(leaf)
+    if dims:
+      spec[int(dims[0])] = "data"
+    return NamedSharding(mesh, P(*spec))
+
+  params = jax.device_put(params, jax.tree.map(sharding, params))
+  opt_state = optimizer.init(params)
+  state = jax.device_put((params, opt_state), jax.tree.map(sharding, (params, opt_state)))
+  state = (*state, no_metrics(NamedSharding(mesh, P()))) if metrics else state
+  step = update_step(
+    lambda params, batch: jax.value_and_grad(loss)(params, *batch),
+    optimizer,
+    metrics,
+    out_shardings=jax.tree.map(lambda x: x.sharding, state),
+  )
+  return step, state, lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+
+
+def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=1, metrics=False):
   """A hand-written GPipe: `per_stage` x (Linear(width)+swish) per stage, stacked weights."""
   mesh = jax.make_mesh(
     (stages,),
@@ -207,16 +269,14 @@ def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=
     optimizer.init(params),
   )
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def step(carry, batch):
-    params, opt_state = carry
+  def loss_and_grads(params, batch):
     x, y = batch
-    grads = jax.grad(lambda p: parstrat.softmax_cross_entropy(logits(p, x), y))(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    return jax.value_and_grad(lambda p: parstrat.softmax_cross_entropy(logits(p, x), y))(params)
 
+  step = update_step(loss_and_grads, optimizer, metrics)
   replicated = NamedSharding(mesh, P())
-  return step, (params, opt_state), lambda batch: jax.device_put(batch, replicated)
+  state = (params, opt_state, no_metrics(replicated)) if metrics else (params, opt_state)
+  return step, state, lambda batch: jax.device_put(batch, replicated)
 
 
 def parstrat_step(trainer, sample):
@@ -275,7 +335,7 @@ def bytes_per_device(tree) -> int:
   return total
 
 
-WIDTH, LAYERS, BATCH = 512, 8, 256
+WIDTH, LAYERS, BATCH = 512, 8, ARGS.batch
 STAGES, MICRO = 4, 8
 SAVE, K2 = {"activations": "save"}, {"exchange_every": 2}
 #: The pipeline rows: (schedule, options). "save" keeps each forward's residuals
@@ -288,8 +348,11 @@ PIPELINES = (
   ("1f1b", SAVE),
   ("1f1b", {**SAVE, **K2}),
   ("zb_h1", {}),
+  ("zb_h1", K2),
   ("zb_h1", SAVE),
+  ("zb_h1", {**SAVE, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2}),
+  ("interleaved_1f1b", {"virtual_stages": 2, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **SAVE, **K2}),
 )
 
@@ -334,7 +397,8 @@ def run_strategies(results, repeats):
   images, labels = parstrat.testing.random_batches(4, BATCH, features=WIDTH, classes=WIDTH)
   batches = list(zip(images, labels, strict=True))
   optimizer = optax.adam(LR)
-  params = jax.jit(model.init)(jax.random.key(0), images[0][:1])
+  # On the host: each reference places its own copy (a donated step deletes its buffers).
+  params = jax.device_get(jax.jit(model.init)(jax.random.key(0), images[0][:1]))
   rows, timers = {}, {}
 
   def reference(name, built):
@@ -345,12 +409,18 @@ def run_strategies(results, repeats):
 
   reference("jit, 1 device", jit_reference(model, optimizer, params))
   reference(f"pmap by hand, {n}", pmap_reference(model, optimizer, params, n))
-  reference(f"jit(shard_map) by hand, {n}", shard_map_dp_reference(model, optimizer, params, n))
+  # Each multi-device reference twice: the bare update, and "+ metrics", which also
+  # returns the loss, global gradient norm and finite flag that every parstrat step does.
+  hand_dp, hand_fsdp = f"jit(shard_map) by hand, {n}", f"FSDP jit by hand, {n}"
   hand_gpipe = f"shard_map GPipe by hand, P{STAGES} M{MICRO}"
-  reference(
-    hand_gpipe,
-    shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage=LAYERS // STAGES),
-  )
+  per_stage = LAYERS // STAGES
+  for metrics, suffix in ((False, ""), (True, " + metrics")):
+    reference(hand_dp + suffix, shard_map_dp_reference(model, optimizer, params, n, metrics))
+    reference(hand_fsdp + suffix, fsdp_reference(model, optimizer, params, n, metrics))
+    reference(
+      hand_gpipe + suffix,
+      shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage, metrics),
+    )
   configs = {
     f"data_parallel, {n}": parstrat.DataParallel(data=n),
     f"fsdp, {n}": parstrat.FSDP(data=n),
@@ -378,17 +448,17 @@ def run_strategies(results, repeats):
       rows[name]["lockstep_forwards"] = schedule.lockstep_time(cost)
       rows[name]["bubble_measured"], state = measured_bubble(trainer, state, placed[0])
     timers[name] = [step, state, placed]
-  ratios = {
-    f"data_parallel / jit(shard_map) by hand, {n}": (
-      f"data_parallel, {n}",
-      f"jit(shard_map) by hand, {n}",
-    ),
-    f"fsdp / jit(shard_map) by hand, {n}": (f"fsdp, {n}", f"jit(shard_map) by hand, {n}"),
-    f"data_parallel / pmap by hand, {n}": (f"data_parallel, {n}", f"pmap by hand, {n}"),
-  }
-  for name in configs:
-    if name.startswith("pipeline"):
-      ratios[f"{name} / hand GPipe"] = (name, hand_gpipe)
+  dp, fsdp = f"data_parallel, {n}", f"fsdp, {n}"
+  ratios = {}
+  for suffix in ("", " + metrics"):
+    ratios[f"data_parallel / {hand_dp}{suffix}"] = (dp, hand_dp + suffix)
+    ratios[f"fsdp / {hand_fsdp}{suffix}"] = (fsdp, hand_fsdp + suffix)
+  ratios[f"fsdp / {hand_dp}"] = (fsdp, hand_dp)
+  ratios[f"data_parallel / pmap by hand, {n}"] = (dp, f"pmap by hand, {n}")
+  for suffix in ("", " + metrics"):
+    for name in configs:
+      if name.startswith("pipeline"):
+        ratios[f"{name} / hand GPipe{suffix}"] = (name, hand_gpipe + suffix)
   # More passes over every row, one after the other, so that a burst of load on the
   # shared cores hits all rows of a pass alike: step times are the median over passes,
   # and each ratio the median of its per-pass ratios.
