@@ -47,6 +47,7 @@ def test_measures_every_candidate_on_every_mesh_shape(measured):
     "fsdp zero=2 [data=4]",
     "fsdp zero=3 [data=4]",
     "pipeline [stage=4]",
+    "pipeline activations=save [stage=4]",
     "tensor [model=4]",
   ]
   for c in measured:
@@ -80,6 +81,22 @@ def test_cost_model_terms_follow_the_documented_formulas(measured):
   # recomputed forwards, on a quarter of the work.
   dp, pipe = c["data_parallel [data=4]"], c["pipeline [stage=4]"]
   assert pipe.compute_s == pytest.approx(dp.compute_s * 7 / 4 * 4 / 3)
+  # "save" reruns no forward.
+  assert c["pipeline activations=save [stage=4]"].compute_s == pytest.approx(dp.compute_s * 7 / 4)
+
+
+def test_a_pipeline_keeps_its_activations_where_memory_allows(measured):
+  # Both activation policies are measured: "save" holds the forwards' residuals (in the
+  # compiled step's memory) and is estimated faster, so it is chosen unless the budget
+  # leaves room only for "recompute".
+  c = by_label(measured)
+  recompute, save = c["pipeline [stage=4]"], c["pipeline activations=save [stage=4]"]
+  assert save.peak_bytes > recompute.peak_bytes
+  assert save.time_s < recompute.time_s
+  assert auto_lib.rank([recompute, save], None).strategy.activations == "save"
+  tight = auto_lib.rank([recompute, save], recompute.peak_bytes)
+  assert tight.strategy.activations == "recompute"
+  assert "pipeline activations=save [stage=4]" in str(tight) and "over budget" in str(tight)
 
 
 def test_chooses_data_parallel_when_everything_fits(measured):
@@ -177,9 +194,10 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   measured_shallow = parstrat.Auto(
     devices=jax.devices()[:4], candidates=("pipeline",), verbose=False
   ).measure(shallow, optax.sgd(0.1), np.zeros((8, 4), np.float32))
-  (only,) = measured_shallow
-  assert only.peak_bytes is None
-  assert "stages=4 exceeds the model's 2 layers" in only.problem
+  assert len(measured_shallow) == 2  # under "recompute" and "save"
+  for only in measured_shallow:
+    assert only.peak_bytes is None
+    assert "stages=4 exceeds the model's 2 layers" in only.problem
   with pytest.raises(ValueError, match="no candidate could be built"):
     auto_lib.rank(measured_shallow, None)
 

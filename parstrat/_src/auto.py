@@ -10,7 +10,9 @@ dropped; the rest are ranked by an estimated step time:
 
     compute       = 3 * (F - F_pairs + F_pairs / T) * B / (D * S)   (forward + backward)
                     x (M + S - 1) / M              (pipeline bubble, S > 1)
-                    x 4 / 3                        (the pipeline recomputes stage forwards)
+                    x 4 / 3                        (S > 1, activations="recompute": the
+                                                    backward reruns each stage forward;
+                                                    x 1 under "save")
     communication = bytes moved per device / bytes_per_second, summing
       "data"  : gradient_traffic * (D - 1) / D * gradient bytes per device, per
                 reduction (2 for DataParallel's all-reduce, 3 for ZeRO-3 and
@@ -47,6 +49,7 @@ import numpy as np
 from parstrat._src import registry
 from parstrat._src import tensor_split
 from parstrat._src.pipeline import partition as partition_lib
+from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import as_stateful
@@ -192,6 +195,9 @@ class Candidate:
     zero = getattr(self.strategy, "zero", None)
     if zero is not None:
       extra = f" zero={zero}"
+    activations = getattr(self.strategy, "activations", "recompute")
+    if activations != "recompute":
+      extra += f" activations={activations}"
     mesh = ", ".join(f"{axis}={size}" for axis, size in self.mesh.items())
     return f"{self.name}{extra} [{mesh}]"
 
@@ -214,17 +220,17 @@ def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -
   shown = "none" if budget is None else format_bytes(budget)
   lines = [f"parstrat auto: {len(ranked)} candidates, memory budget {shown} per device"]
   lines.append(
-    f"{'#':>2}  {'candidate':<40} {'peak/device':>12} {'state/device':>12} "
+    f"{'#':>2}  {'candidate':<50} {'peak/device':>12} {'state/device':>12} "
     f"{'compute':>9} {'comm':>11} {'est. step':>10}  note"
   )
   for i, c in enumerate(ranked, 1):
     if c.problem and c.peak_bytes is None:
       lines.append(
-        f"{i:>2}  {c.label:<40} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
+        f"{i:>2}  {c.label:<50} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
       )
       continue
     lines.append(
-      f"{i:>2}  {c.label:<40} {format_bytes(c.peak_bytes):>12} "
+      f"{i:>2}  {c.label:<50} {format_bytes(c.peak_bytes):>12} "
       f"{format_bytes(c.state_bytes):>12} {c.compute_s * 1e6:>7.1f}us "
       f"{format_bytes(c.comm_bytes):>11} {c.time_s * 1e6:>8.1f}us  {c.problem}"
     )
@@ -303,8 +309,9 @@ class CostModel:
     micro = 1
     if stages > 1:
       micro = getattr(strategy, "microbatches", None) or stages
-      # The bubble, and the engine's recomputed stage forwards in the backward.
-      compute *= (micro + stages - 1) / micro * 4 / 3
+      # The bubble, and the stage forwards the backward reruns (none under "save").
+      rerun = residuals_lib.COMPUTE_FACTOR[getattr(strategy, "activations", "recompute")]
+      compute *= (micro + stages - 1) / micro * rerun
       width = max(stats.boundary_widths, default=0)
       comm += 2 * (batch / ways) * width * 4
       collectives += 2 * (micro + stages - 1)
@@ -375,7 +382,9 @@ class Auto(Strategy):
   """Chooses a registered strategy and mesh shape when the trainer is initialised.
 
   `trainer.init` measures every candidate (each registered strategy with mesh
-  axes, on each mesh shape over the devices): the per-device memory of its
+  axes, on each mesh shape over the devices, in each configuration its
+  `candidates_for` offers: FSDP's ZeRO stages, a pipeline's activation
+  policies "recompute" and "save"): the per-device memory of its
   compiled step, from XLA's memory analysis, and an estimated step time from
   the cost model in this module's docstring. Among those within
   `memory_budget` the fastest estimate wins (ties: less memory, then name);

@@ -277,6 +277,19 @@ def _check_positive(what: str, value) -> None:
     raise ValueError(f"{what} must be a positive integer, got {value!r}.")
 
 
+def with_activation_candidates(strategies):
+  """Each strategy with more than one stage under every `residuals.AUTO_CANDIDATES` policy.
+
+  "auto" then measures the memory each keeps (compiled) and prices the compute
+  each reruns (`residuals.COMPUTE_FACTOR`), and picks "save" where it fits.
+  """
+  return [
+    dataclasses.replace(s, activations=a) if (s.stages or 1) > 1 else s
+    for s in strategies
+    for a in (residuals_lib.AUTO_CANDIDATES if (s.stages or 1) > 1 else (s.activations,))
+  ]
+
+
 @registry.register("hybrid")
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class Hybrid(Strategy):
@@ -349,6 +362,11 @@ class Hybrid(Strategy):
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
   axis_names = (DATA, STAGE, MODEL)
+
+  @classmethod
+  def candidates_for(cls, axis_sizes, devices=None):
+    """Each default configuration under "recompute" and under "save", for "auto"."""
+    return with_activation_candidates(super().candidates_for(axis_sizes, devices))
 
   def resolved_split(self) -> tuple[int | None, int]:
     """(data, stages) after defaults: `data=None` fills the remaining devices."""

@@ -8,6 +8,7 @@ from jax.sharding import Mesh
 
 from parstrat._src import registry
 from parstrat._src.hybrid import Hybrid
+from parstrat._src.hybrid import with_activation_candidates
 from parstrat._src.pipeline.schedule import Schedule
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
@@ -82,6 +83,11 @@ class PipelineModelParallel(Strategy):
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
   axis_names = ("stage",)
+
+  @classmethod
+  def candidates_for(cls, axis_sizes, devices=None):
+    """Each default configuration under "recompute" and under "save", for "auto"."""
+    return with_activation_candidates(super().candidates_for(axis_sizes, devices))
 
   def as_hybrid(self) -> Hybrid:
     """The equivalent `Hybrid` with one data replica."""

@@ -33,6 +33,21 @@ ACTIVATIONS = (
   "nothing_saveable",
 )
 
+#: The compute of a pipeline's step under each `ACTIVATIONS` value, relative to one
+#: forward and one backward per stage and microbatch (a backward costing two forwards):
+#: rerunning the forward in the backward adds a third; keeping what a policy names
+#: (the matmul outputs for the "dots" policies) leaves only element-wise work to rerun.
+COMPUTE_FACTOR = {
+  "recompute": 4 / 3,
+  "save": 1.0,
+  "dots_saveable": 1.0,
+  "dots_with_no_batch_dims_saveable": 1.0,
+  "nothing_saveable": 4 / 3,
+}
+
+#: The policies "auto" measures for a pipeline: the two ends of the trade.
+AUTO_CANDIDATES = ("recompute", "save")
+
 _INPUT = "input"
 
 
