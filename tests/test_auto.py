@@ -47,6 +47,7 @@ def test_measures_every_candidate_on_every_mesh_shape(measured):
     "fsdp zero=2 [data=4]",
     "fsdp zero=3 [data=4]",
     "pipeline [stage=4]",
+    "pipeline activations=dots_saveable [stage=4]",
     "pipeline activations=save [stage=4]",
     "tensor [model=4]",
   ]
@@ -81,20 +82,37 @@ def test_cost_model_terms_follow_the_documented_formulas(measured):
   # recomputed forwards, on a quarter of the work.
   dp, pipe = c["data_parallel [data=4]"], c["pipeline [stage=4]"]
   assert pipe.compute_s == pytest.approx(dp.compute_s * 7 / 4 * 4 / 3)
-  # "save" reruns no forward.
+  # "save" reruns no forward, "dots_saveable" its element-wise work (MLP: the biases and
+  # the swish between the matmuls).
   assert c["pipeline activations=save [stage=4]"].compute_s == pytest.approx(dp.compute_s * 7 / 4)
+  stats = auto_lib.ModelStats.of(
+    wide_mlp(),
+    jax.eval_shape(wide_mlp().init, jax.random.key(0), np.zeros((1, FEATURES), np.float32)),
+    np.zeros((BATCH, FEATURES), np.float32),
+  )
+  matmuls = 2 * (FEATURES * 256 + 256 * 256 * 2 + 256 * 10)
+  assert stats.dot_flops_per_example == matmuls
+  elementwise = 1 - matmuls / stats.flops_per_example
+  dots = c["pipeline activations=dots_saveable [stage=4]"]
+  assert dots.compute_s == pytest.approx(dp.compute_s * 7 / 4 * (1 + elementwise / 3))
 
 
 def test_a_pipeline_keeps_its_activations_where_memory_allows(measured):
-  # Both activation policies are measured: "save" holds the forwards' residuals (in the
-  # compiled step's memory) and is estimated faster, so it is chosen unless the budget
-  # leaves room only for "recompute".
+  # Three activation policies are measured: the more a stage keeps of its forward (in
+  # the compiled step's memory), the less its backward reruns, so "auto" keeps as much
+  # as the budget allows.
   c = by_label(measured)
-  recompute, save = c["pipeline [stage=4]"], c["pipeline activations=save [stage=4]"]
-  assert save.peak_bytes > recompute.peak_bytes
-  assert save.time_s < recompute.time_s
-  assert auto_lib.rank([recompute, save], None).strategy.activations == "save"
-  tight = auto_lib.rank([recompute, save], recompute.peak_bytes)
+  policies = [
+    c["pipeline [stage=4]"],
+    c["pipeline activations=dots_saveable [stage=4]"],
+    c["pipeline activations=save [stage=4]"],
+  ]
+  recompute, dots, save = policies
+  assert recompute.peak_bytes < dots.peak_bytes < save.peak_bytes
+  assert recompute.time_s > dots.time_s > save.time_s
+  for budget, chosen in ((None, "save"), (dots.peak_bytes, "dots_saveable")):
+    assert auto_lib.rank(policies, budget).strategy.activations == chosen
+  tight = auto_lib.rank(policies, recompute.peak_bytes)
   assert tight.strategy.activations == "recompute"
   assert "pipeline activations=save [stage=4]" in str(tight) and "over budget" in str(tight)
 
@@ -194,7 +212,7 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   measured_shallow = parstrat.Auto(
     devices=jax.devices()[:4], candidates=("pipeline",), verbose=False
   ).measure(shallow, optax.sgd(0.1), np.zeros((8, 4), np.float32))
-  assert len(measured_shallow) == 2  # under "recompute" and "save"
+  assert len(measured_shallow) == 3  # under each of the three activation policies
   for only in measured_shallow:
     assert only.peak_bytes is None
     assert "stages=4 exceeds the model's 2 layers" in only.problem

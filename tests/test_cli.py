@@ -132,7 +132,7 @@ def test_train_auto_prints_its_choice(capsys):
   )
   out = capsys.readouterr().out
   assert code == 0
-  assert "parstrat auto: 7 candidates, memory budget none per device" in out
+  assert "parstrat auto: 8 candidates, memory budget none per device" in out
   labels = ("data_parallel [data=2]", "fsdp zero=1 [data=2]", "tensor [model=2]")
   for label in (*labels, "pipeline [stage=2]", "pipeline activations=save [stage=2]"):
     assert label in out

@@ -10,9 +10,11 @@ dropped; the rest are ranked by an estimated step time:
 
     compute       = 3 * (F - F_pairs + F_pairs / T) * B / (D * S)   (forward + backward)
                     x (M + S - 1) / M              (pipeline bubble, S > 1)
-                    x 4 / 3                        (S > 1, activations="recompute": the
-                                                    backward reruns each stage forward;
-                                                    x 1 under "save")
+                    x (1 + R / 3)                  (S > 1: the share R of each stage
+                                                    forward its backward reruns: 1 under
+                                                    activations="recompute", the
+                                                    element-wise share under
+                                                    "dots_saveable", 0 under "save")
     communication = bytes moved per device / bytes_per_second, summing
       "data"  : gradient_traffic * (D - 1) / D * gradient bytes per device, per
                 reduction (2 for DataParallel's all-reduce, 3 for ZeRO-3 and
@@ -106,6 +108,8 @@ class ModelStats:
       input) and in the forward pass (the row-parallel output).
     tensor_split_flops: forward FLOPs per example inside those groups (the
       only ones a "model" axis divides).
+    dot_flops_per_example: the part of `flops_per_example` in matmuls
+      (`dot_general`); the rest is element-wise work.
   """
 
   param_bytes: int
@@ -113,6 +117,16 @@ class ModelStats:
   boundary_widths: tuple[int, ...]
   tensor_pairs: tuple[tuple[int, int], ...]
   tensor_split_flops: int = 0
+  dot_flops_per_example: int = 0
+
+  def rerun_fraction(self, activations: str) -> float:
+    """The share of the forward a pipeline's backward reruns under `activations`."""
+    rerun = residuals_lib.RERUNS[activations]
+    if rerun == "all":
+      return 1.0
+    if rerun == "nothing" or not self.flops_per_example:
+      return 0.0
+    return 1.0 - self.dot_flops_per_example / self.flops_per_example
 
   @classmethod
   def of(
@@ -141,6 +155,7 @@ class ModelStats:
     batch = max(int(jax.tree.leaves(sample_inputs)[0].shape[0]), 1)
     closed = jax.make_jaxpr(apply)(sample_params, sample_inputs)
     flops = sum(partition_lib._eqn_flops(eqn) for eqn in closed.jaxpr.eqns)  # noqa: SLF001
+    dots = sum(partition_lib._eqn_flops(e, only_dots=True) for e in closed.jaxpr.eqns)  # noqa: SLF001
     leaves = jax.tree.leaves(sample_params)
     widths = []
     try:
@@ -156,6 +171,7 @@ class ModelStats:
     return cls(
       param_bytes=sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves),
       flops_per_example=flops // batch,
+      dot_flops_per_example=dots // batch,
       boundary_widths=tuple(widths),
       tensor_pairs=tuple(g.reduce_widths[::-1] for g in split.groups),
       tensor_split_flops=split.split_flops,
@@ -220,17 +236,17 @@ def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -
   shown = "none" if budget is None else format_bytes(budget)
   lines = [f"parstrat auto: {len(ranked)} candidates, memory budget {shown} per device"]
   lines.append(
-    f"{'#':>2}  {'candidate':<50} {'peak/device':>12} {'state/device':>12} "
+    f"{'#':>2}  {'candidate':<60} {'peak/device':>12} {'state/device':>12} "
     f"{'compute':>9} {'comm':>11} {'est. step':>10}  note"
   )
   for i, c in enumerate(ranked, 1):
     if c.problem and c.peak_bytes is None:
       lines.append(
-        f"{i:>2}  {c.label:<50} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
+        f"{i:>2}  {c.label:<60} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
       )
       continue
     lines.append(
-      f"{i:>2}  {c.label:<50} {format_bytes(c.peak_bytes):>12} "
+      f"{i:>2}  {c.label:<60} {format_bytes(c.peak_bytes):>12} "
       f"{format_bytes(c.state_bytes):>12} {c.compute_s * 1e6:>7.1f}us "
       f"{format_bytes(c.comm_bytes):>11} {c.time_s * 1e6:>8.1f}us  {c.problem}"
     )
@@ -309,9 +325,10 @@ class CostModel:
     micro = 1
     if stages > 1:
       micro = getattr(strategy, "microbatches", None) or stages
-      # The bubble, and the stage forwards the backward reruns (none under "save").
-      rerun = residuals_lib.COMPUTE_FACTOR[getattr(strategy, "activations", "recompute")]
-      compute *= (micro + stages - 1) / micro * rerun
+      # The bubble, and what the backward reruns of the stage forwards (a backward
+      # costs two forwards: all of the forward rerun adds a third).
+      rerun = stats.rerun_fraction(getattr(strategy, "activations", "recompute"))
+      compute *= (micro + stages - 1) / micro * (1 + rerun / 3)
       width = max(stats.boundary_widths, default=0)
       comm += 2 * (batch / ways) * width * 4
       collectives += 2 * (micro + stages - 1)

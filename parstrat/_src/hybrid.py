@@ -280,8 +280,8 @@ def _check_positive(what: str, value) -> None:
 def with_activation_candidates(strategies):
   """Each strategy with more than one stage under every `residuals.AUTO_CANDIDATES` policy.
 
-  "auto" then measures the memory each keeps (compiled) and prices the compute
-  each reruns (`residuals.COMPUTE_FACTOR`), and picks "save" where it fits.
+  "auto" then measures the memory each keeps (compiled) and prices the forward
+  work each reruns (`residuals.RERUNS`), and keeps what the budget allows.
   """
   return [
     dataclasses.replace(s, activations=a) if (s.stages or 1) > 1 else s

@@ -190,7 +190,8 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
   return out
 
 
-def _eqn_flops(eqn) -> int:
+def _eqn_flops(eqn, *, only_dots: bool = False) -> int:
+  """2 per multiply-add of a `dot_general`, else 1 per output element (0 with `only_dots`)."""
   if not eqn.outvars:  # e.g. a debug callback
     return 0
   out = eqn.outvars[0].aval
@@ -201,8 +202,8 @@ def _eqn_flops(eqn) -> int:
     return 2 * size * int(np.prod([lhs_shape[d] for d in lhs_contract]))
   inner = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr)]
   if inner:
-    return sum(_eqn_flops(e) for e in inner[0].jaxpr.eqns)
-  return size
+    return sum(_eqn_flops(e, only_dots=only_dots) for e in inner[0].jaxpr.eqns)
+  return 0 if only_dots else size
 
 
 @dataclasses.dataclass(frozen=True)

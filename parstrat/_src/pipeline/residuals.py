@@ -33,20 +33,19 @@ ACTIVATIONS = (
   "nothing_saveable",
 )
 
-#: The compute of a pipeline's step under each `ACTIVATIONS` value, relative to one
-#: forward and one backward per stage and microbatch (a backward costing two forwards):
-#: rerunning the forward in the backward adds a third; keeping what a policy names
-#: (the matmul outputs for the "dots" policies) leaves only element-wise work to rerun.
-COMPUTE_FACTOR = {
-  "recompute": 4 / 3,
-  "save": 1.0,
-  "dots_saveable": 1.0,
-  "dots_with_no_batch_dims_saveable": 1.0,
-  "nothing_saveable": 4 / 3,
+#: What the backward passes rerun of each stage's forward under each `ACTIVATIONS`
+#: value: all of it, its element-wise work (the "dots" policies keep the matmul
+#: outputs), or nothing.
+RERUNS = {
+  "recompute": "all",
+  "save": "nothing",
+  "dots_saveable": "elementwise",
+  "dots_with_no_batch_dims_saveable": "elementwise",
+  "nothing_saveable": "all",
 }
 
-#: The policies "auto" measures for a pipeline: the two ends of the trade.
-AUTO_CANDIDATES = ("recompute", "save")
+#: The policies "auto" measures for a pipeline: both ends of the trade and one between.
+AUTO_CANDIDATES = ("recompute", "dots_saveable", "save")
 
 _INPUT = "input"
 
