@@ -404,7 +404,12 @@ def test_saved_activations_match_jit(schedule, activations, virtual_stages):
 # scaled or misrouted); Adam runs with exchange_every=2 in the model matrix (the LM).
 @pytest.mark.parametrize(
   "schedule, activations, virtual_stages",
-  [("1f1b", "save", None), ("zb_h1", "recompute", None), ("interleaved_1f1b", "save", 2)],
+  [
+    ("1f1b", "save", None),
+    ("zb_h1", "recompute", None),
+    ("zb_h1", "dots_saveable", None),
+    ("interleaved_1f1b", "save", 2),
+  ],
 )
 def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_stages):
   strategy = parstrat.PipelineModelParallel(
