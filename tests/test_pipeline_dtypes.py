@@ -34,8 +34,10 @@ def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
   text = _mixed_program("1f1b")
   # The forward activation and the backward cotangent (microbatch 4 x width 32).
   assert _permutes(text) == ["4x32xbf16", "4x32xbf16"], _permutes(text)
-  # The stash of activations (1F1B: 2 slots) is bfloat16 as well.
-  assert "tensor<2x4x32xbf16>" in text
+  # The stash of activations (1F1B: 2 slots and the spare one idle ticks write) and the
+  # inbox of gradients (1 slot and the spare) are bfloat16 as well.
+  assert "tensor<3x4x32xbf16>" in text and "tensor<2x4x32xbf16>" in text
+  assert "x4x32xf32>" not in text
 
 
 def test_gpipe_by_autodiff_sends_bfloat16_both_ways_and_matches_one_device():
