@@ -401,7 +401,7 @@ class Auto(Strategy):
   `trainer.init` measures every candidate (each registered strategy with mesh
   axes, on each mesh shape over the devices, in each configuration its
   `candidates_for` offers: FSDP's ZeRO stages, a pipeline's activation
-  policies "recompute" and "save"): the per-device memory of its
+  policies "recompute", "dots_saveable" and "save"): the per-device memory of its
   compiled step, from XLA's memory analysis, and an estimated step time from
   the cost model in this module's docstring. Among those within
   `memory_budget` the fastest estimate wins (ties: less memory, then name);

@@ -365,7 +365,7 @@ class Hybrid(Strategy):
 
   @classmethod
   def candidates_for(cls, axis_sizes, devices=None):
-    """Each default configuration under "recompute" and under "save", for "auto"."""
+    """Each default configuration under each `residuals.AUTO_CANDIDATES` policy, for "auto"."""
     return with_activation_candidates(super().candidates_for(axis_sizes, devices))
 
   def resolved_split(self) -> tuple[int | None, int]:

@@ -86,7 +86,7 @@ class PipelineModelParallel(Strategy):
 
   @classmethod
   def candidates_for(cls, axis_sizes, devices=None):
-    """Each default configuration under "recompute" and under "save", for "auto"."""
+    """Each default configuration under each `residuals.AUTO_CANDIDATES` policy, for "auto"."""
     return with_activation_candidates(super().candidates_for(axis_sizes, devices))
 
   def as_hybrid(self) -> Hybrid:

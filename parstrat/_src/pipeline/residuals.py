@@ -137,7 +137,7 @@ def forward_saving(
   return out, loss, pack(stored, slot)
 
 
-def pullback(residuals: Residuals, packed: jax.Array, leaves, inp):
+def pullback(residuals: Residuals, packed: Sequence[jax.Array], leaves, inp):
   """The stage's vjp function, rebuilt from its stored residuals, params and input."""
   stored = iter(unpack(packed, residuals.stored))
   res = [
