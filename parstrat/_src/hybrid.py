@@ -283,11 +283,13 @@ def with_activation_candidates(strategies):
   "auto" then measures the memory each keeps (compiled) and prices the forward
   work each reruns (`residuals.RERUNS`), and keeps what the budget allows.
   """
-  return [
-    dataclasses.replace(s, activations=a) if (s.stages or 1) > 1 else s
-    for s in strategies
-    for a in (residuals_lib.AUTO_CANDIDATES if (s.stages or 1) > 1 else (s.activations,))
-  ]
+  out = []
+  for strategy in strategies:
+    if (strategy.stages or 1) > 1:
+      out += [dataclasses.replace(strategy, activations=a) for a in residuals_lib.AUTO_CANDIDATES]
+    else:
+      out.append(strategy)
+  return out
 
 
 @registry.register("hybrid")
