@@ -106,9 +106,25 @@ class FlatLayout:
       rows.append(jnp.pad(row, (0, self.size - row.shape[0])))
     return jnp.stack(rows)
 
-  def stage_params(self, stage: int, row: jax.Array) -> list[jax.Array]:
-    """Stage `stage`'s leaves, sliced out of its flat buffer `row`."""
-    return [self.slice_leaf(row, stage, k) for k in range(len(self.stage_leaves[stage]))]
+  def stage_params(self, stage: int, row: jax.Array, common: tuple = ()) -> list[jax.Array]:
+    """Stage `stage`'s leaves, sliced out of its flat buffer `row`.
+
+    With `common` (the `shared_leaves` of the same row, from `cut_shared`), those
+    leaves come from it instead, and only the others are sliced.
+    """
+    own = dict(zip(self.shared_leaves(), common, strict=True)) if common else {}
+    return [
+      own[k] if k in own else self.slice_leaf(row, stage, k)
+      for k in range(len(self.stage_leaves[stage]))
+    ]
+
+  def cut_shared(self, row: jax.Array) -> tuple[jax.Array, ...]:
+    """The `shared_leaves` of a device's flat buffer `row`, whatever its stage."""
+    return tuple(self.slice_leaf(row, 0, k) for k in self.shared_leaves())
+
+  def owns_unshared(self, stage: int) -> bool:
+    """Whether stage `stage` has leaves outside `shared_leaves` (sliced per pass)."""
+    return len(self.stage_leaves[stage]) > len(self.shared_leaves())
 
   def constrain(self, row: jax.Array) -> jax.Array:
     """The identity (a flat row has no layout inside the map); see `SplitLayout`."""
@@ -279,13 +295,29 @@ class SplitLayout:
       replicated_rows.append(jnp.pad(row, (0, self.replicated_size - row.shape[0])))
     return jnp.stack(split_rows), jnp.stack(replicated_rows)
 
+  def shared_leaves(self) -> tuple[int, ...]:
+    """None: every leaf is sliced per pass, where its sharding constraint is set."""
+    return ()
+
+  def cut_shared(self, row: tuple[jax.Array, jax.Array]) -> tuple[()]:
+    return ()
+
+  def owns_unshared(self, stage: int) -> bool:
+    return True
+
   def stage_params(
-    self, stage: int, row: tuple[jax.Array, jax.Array], *, constrain: bool = True
+    self,
+    stage: int,
+    row: tuple[jax.Array, jax.Array],
+    common: tuple[()] = (),
+    *,
+    constrain: bool = True,
   ) -> list[jax.Array]:
     """Stage `stage`'s leaves from its `([parts, split_size], [replicated_size])` buffers.
 
     With `constrain` (inside the map), each split leaf is pinned to be sharded
     over `axis` along its split dimension, so the partitioner keeps it split.
+    `common` is always empty (no `shared_leaves`).
     """
     block, flat = row
     out = []
@@ -357,16 +389,16 @@ class StagedModel:
     """The stage's unpadded input: the microbatch's model inputs `x` for stage 0, else `act`."""
     return x if stage == 0 else partition_lib.unpad(act, self.program.boundaries[stage])
 
-  def stage_inputs(self, stage: int, row, act, x):
-    """The stage's parameter leaves (sliced from `row`) and its unpadded input."""
-    return self.layout.stage_params(stage, row), self.stage_input(stage, act, x)
+  def stage_inputs(self, stage: int, row, act, x, common=()):
+    """The stage's parameter leaves (from `row` and `common`) and its unpadded input."""
+    return self.layout.stage_params(stage, row, common), self.stage_input(stage, act, x)
 
   def output(self, stage: int, row, act, x):
     """Stage `stage`'s output, unpadded, in its own dtype."""
     return self.program.stage_fns[stage](*self.stage_inputs(stage, row, act, x))
 
-  def forward(self, stage: int, row, act, x, y):
-    return self.apply(stage, *self.stage_inputs(stage, row, act, x), y, act.dtype)
+  def forward(self, stage: int, row, act, x, y, common=()):
+    return self.apply(stage, *self.stage_inputs(stage, row, act, x, common), y, act.dtype)
 
   def apply(self, stage: int, leaves, inp, y, dtype):
     """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss)."""
@@ -434,6 +466,17 @@ def _chunk(block, j: int):
 def _add_chunk(grads, chunk: int, d_row):
   """`grads[chunk] += d_row` on a `[v, ...]` block (a pytree for `SplitLayout`)."""
   return jax.tree.map(lambda g, d: g.at[chunk].add(d), grads, d_row)
+
+
+def cut_common(layout: FlatLayout | SplitLayout, block) -> tuple[tuple[jax.Array, ...], ...]:
+  """Per chunk j of a device's `[v, ...]` params block, its `shared_leaves`, as arrays.
+
+  Cut once per step: each pass then reads its stage's shared leaves from here
+  instead of slicing them out of its row again. (Separate arrays, not `[v, ...]`
+  stacks: a pass reading a stack's row would copy it again.)
+  """
+  v = jax.tree.leaves(block)[0].shape[0]
+  return tuple(layout.cut_shared(_chunk(block, j)) for j in range(v))
 
 
 def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarray]:
@@ -539,6 +582,7 @@ def pipeline_loss_and_grad(
       activations=activations,
     )
   W, dtype = staged.width, staged.act_dtype
+  layout = staged.layout
   stage = lax.axis_index(stage_axis)
   keys, branch_index = branch_table(schedule)
   tables = jnp.asarray(
@@ -573,71 +617,93 @@ def pipeline_loss_and_grad(
     for g in sorted({g for _, g in keys if g >= 0}):
       residuals[g] = residuals_lib.find_residuals(staged, g, *avals, dtype, activations)
   slot = residuals_lib.slot_format(list(residuals.values()))
-  no_res = tuple(jnp.zeros(part.shape, part.dtype) for part in slot)
-  res_write = np.where(schedule.action == Action.FORWARD, res_slot, -1)
 
-  def saved_pullback(g, row, act, res, x):
-    """(d row, d padded input) of model stage g from its saved residuals."""
-    leaves, inp = staged.stage_inputs(g, row, act, x)
+  def saved_pullback(g, row, common, act, res, x):
+    """(d row, d common, d padded input) of model stage g from its saved residuals."""
+    leaves, inp = staged.stage_inputs(g, row, act, x, common)
     vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
 
     def pull(cotangents):
       d_leaves, d_inp = vjp_fn(cotangents)
-      _, to_row = jax.vjp(lambda r: staged.layout.stage_params(g, r), row)
+      _, to_params = jax.vjp(lambda r, c: layout.stage_params(g, r, c), row, common)
       d_act = fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
-      return to_row(d_leaves)[0], d_act
+      return *to_params(d_leaves), d_act
 
     return pull
 
-  def backward(action: Action, g: int, row, act, grad, res, x, y):
-    """(d row, d padded input) of a B, I or W pass of model stage g (each may be unused)."""
+  def backward(action: Action, g: int, row, common, act, grad, res, x, y):
+    """(d row, d common, d padded input) of a B, I or W pass of model stage g.
+
+    Each may be unused: an I pass needs only d input, a W pass only the others.
+    """
     cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
     if g in residuals:
-      return saved_pullback(g, row, act, res, x)(cotangents)
-    if action == Action.BACKWARD:
-      _, pullback = jax.vjp(lambda row, act: staged.forward(g, row, act, x, y), row, act)
-      return pullback(cotangents)
-    if action == Action.BACKWARD_INPUT:
-      _, pullback = jax.vjp(lambda act: staged.forward(g, row, act, x, y), act)
-      return None, pullback(cotangents)[0]
-    _, pullback = jax.vjp(lambda row: staged.forward(g, row, act, x, y), row)
-    return pullback(cotangents)[0], fill
+      return saved_pullback(g, row, common, act, res, x)(cotangents)
 
-  # Each branch takes the gradient accumulator and returns it, adding its chunk's
-  # gradient in place in B and W passes only: no tick adds or builds a zero buffer
-  # the size of the params. (XLA copies what a branch passes through unchanged, so
-  # the slot buffers stay outside as read-only operands: a branch reads only the
-  # slots its pass needs, and returns at most one new residual slot.)
+    def f(row, common, act):
+      return staged.forward(g, row, act, x, y, common)
+
+    if action == Action.BACKWARD:
+      return jax.vjp(f, row, common, act)[1](cotangents)
+    if action == Action.BACKWARD_INPUT:
+      _, pullback = jax.vjp(lambda act: f(row, common, act), act)
+      return None, None, pullback(cotangents)[0]
+    _, pullback = jax.vjp(lambda row, common: f(row, common, act), row, common)
+    return *pullback(cotangents), fill
+
+  # The leaves every stage holds at the same place (all of them for equal blocks) are
+  # cut once per step (`cut_common`), not sliced out of the row in every pass; their
+  # gradients accumulate in `[v, ...]` stacks beside the rows' (which exist only if
+  # some stage has other leaves) and go back into the row layout after the loop.
+  common = cut_common(layout, block)
+  sliced = any(layout.owns_unshared(g) for g in range(G))
+
+  # Each branch takes the gradient accumulators and the residual slots and returns
+  # them, adding its chunk's gradient in place in B and W passes only, writing a
+  # residual slot in place in F passes only: no tick adds or builds a zero buffer the
+  # size of the params or of a slot. (The step compiles with copy insertion's region
+  # analysis, `STEP_COMPILER_OPTIONS`, so a branch that hands an operand back
+  # unchanged does not copy it.) The stash and the inbox are read-only operands,
+  # written once per exchange.
   def branch(action: Action, g: int):
-    def run(block, grads, stash, inbox, saved, slots, x, y):
+    def run(block, common, grads, stash, inbox, saved, slots, x, y):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, fill, grads, zero_loss, no_res  # (the batch has no gradient)
+        return fill, fill, grads, saved, zero_loss  # (the batch has no gradient)
       a_slot, g_slot, r_slot = slots
-      row = _chunk(block, g // P)
+      j = g // P
+      row, own_common = _chunk(block, j), common[j]
       act = _read(stash, a_slot)
       if action == Action.FORWARD:
         if g not in residuals:
-          out, loss = staged.forward(g, row, act, x, y)
-          return out, fill, grads, loss, no_res
-        leaves, inp = staged.stage_inputs(g, row, act, x)
+          out, loss = staged.forward(g, row, act, x, y, own_common)
+          return out, fill, grads, saved, loss
+        leaves, inp = staged.stage_inputs(g, row, act, x, own_common)
         out, loss, res = residuals_lib.forward_saving(
           staged, g, leaves, inp, y, dtype, activations, slot
         )
-        return out, fill, grads, loss, res
+        saved = tuple(
+          lax.dynamic_update_index_in_dim(part, r, r_slot, 0)
+          for part, r in zip(saved, res, strict=True)
+        )
+        return out, fill, grads, saved, loss
       grad = _read(inbox, g_slot)
       res = tuple(_read(part, r_slot) for part in saved) if g in residuals else None
-      d_row, d_act = backward(action, g, row, act, grad, res, x, y)
+      d_row, d_common, d_act = backward(action, g, row, own_common, act, grad, res, x, y)
       if action != Action.BACKWARD_INPUT:
-        grads = staged.layout.constrain(_add_chunk(grads, g // P, d_row))
+        row_grads, common_grads = grads
+        if layout.owns_unshared(g):
+          row_grads = layout.constrain(_add_chunk(row_grads, j, d_row))
+        added = jax.tree.map(jnp.add, common_grads[j], d_common)
+        grads = row_grads, (*common_grads[:j], added, *common_grads[j + 1 :])
       if action == Action.BACKWARD_WEIGHT:
         d_act = fill
-      return fill, d_act, grads, zero_loss, no_res
+      return fill, d_act, grads, saved, zero_loss
 
     return run
 
   branches = [branch(action, g) for action, g in keys]
   cyclic = v > 1
-  tables = jnp.concatenate([tables, jnp.asarray(np.stack([res_slot, res_write]))])
+  tables = jnp.concatenate([tables, jnp.asarray(res_slot[None])])
 
   K = schedule.exchange_every
   sends = np.vectorize(schedule_lib.sends)(schedule.action, np.maximum(schedule.model_stage, 0), G)
@@ -649,13 +715,14 @@ def pipeline_loss_and_grad(
     send_act = send_grad = fill
     for k in range(K):
       t = e * K + k
-      index, m, a_slot, g_slot, _, _, r_slot, rw_slot, sends_act, sends_grad = (
-        tables[i, t, stage] for i in range(10)
+      index, m, a_slot, g_slot, _, _, r_slot, sends_act, sends_grad = (
+        tables[i, t, stage] for i in range(9)
       )
-      act, grad, grads, d_loss, res = lax.switch(
+      act, grad, grads, saved, d_loss = lax.switch(
         index,
         branches,
         block,
+        common,
         grads,
         stash,
         inbox,
@@ -664,8 +731,6 @@ def pipeline_loss_and_grad(
         _microbatch(xs, m),
         _microbatch(ys, m),
       )
-      if residuals:
-        saved = tuple(_put(part, rw_slot, r) for part, r in zip(saved, res, strict=True))
       loss = loss + d_loss
       if K == 1:
         send_act, send_grad = act, grad
@@ -680,13 +745,23 @@ def pipeline_loss_and_grad(
   carry = (
     jnp.full((schedule.num_act_slots + 1, mb, W), bubble_value, dtype),  # (+ a spare:
     jnp.full((schedule.num_grad_slots + 1, mb, W), bubble_value, dtype),  # see `_put`)
-    tuple(jnp.zeros((num_res + 1, *part.shape), part.dtype) for part in slot),
-    staged.layout.constrain(jax.tree.map(jnp.zeros_like, block)),
+    tuple(jnp.zeros((num_res, *part.shape), part.dtype) for part in slot),
+    (
+      layout.constrain(jax.tree.map(jnp.zeros_like, block)) if sliced else None,
+      jax.tree.map(jnp.zeros_like, common),
+    ),
     zero_loss,
   )
-  _, _, _, grads, loss = lax.fori_loop(0, schedule.num_exchanges, exchange, carry)
+  _, _, _, (row_grads, common_grads), loss = lax.fori_loop(
+    0, schedule.num_exchanges, exchange, carry
+  )
   loss = lax.psum(loss, stage_axis) / M
-  return loss, grads
+  if not jax.tree.leaves(common):
+    return loss, row_grads
+  grads = jax.vjp(lambda b: cut_common(layout, b), block)[1](common_grads)[0]
+  if sliced:
+    grads = jax.tree.map(jnp.add, grads, row_grads)
+  return loss, layout.constrain(grads)
 
 
 def runs_by_autodiff(schedule: Schedule, layout: FlatLayout | SplitLayout) -> bool:
@@ -773,16 +848,11 @@ def _autodiff_loss_and_grad(
   zero_loss = jnp.zeros((), jnp.float32)
 
   layout = staged.layout
-  shared = layout.shared_leaves()
 
   def branch(g):
     def run(block, common, act, xs, ys, m):
       row, x = _chunk(block, 0), _microbatch(xs, m)
-      own = dict(zip(shared, common, strict=True))
-      leaves = [
-        own[k] if k in own else layout.slice_leaf(row, g, k)
-        for k in range(len(layout.stage_leaves[g]))
-      ]
+      leaves = layout.stage_params(g, row, common[0])
       return staged.apply(g, leaves, staged.stage_input(g, act, x), _microbatch(ys, m), dtype)
 
     return run
@@ -798,7 +868,7 @@ def _autodiff_loss_and_grad(
 
   def local_loss(block):
     # The leaves every stage holds at the same place, cut once per step (not per tick).
-    common = tuple(layout.slice_leaf(_chunk(block, 0), 0, k) for k in shared)
+    common = cut_common(layout, block)
 
     def tick(carry, t):
       act, loss = carry
