@@ -74,8 +74,12 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import parstrat  # noqa: E402
+from parstrat._src.strategy import STEP_COMPILER_OPTIONS  # noqa: E402
 
 LR = 1e-3
+#: The XLA options the jitted references compile with: the same as parstrat's step, so
+#: a ratio compares the programs, not the compiler settings. (`jax.pmap` takes none.)
+REFERENCE_OPTIONS = dict(STEP_COMPILER_OPTIONS)
 
 
 def mlp(widths):
@@ -112,7 +116,7 @@ def timed(step, state, batches, repeats):
 def jit_reference(model, optimizer, params):
   loss = loss_of(model)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=REFERENCE_OPTIONS)
   def step(carry, batch):
     params, opt_state = carry
     grads = jax.grad(loss)(params, *batch)
@@ -164,7 +168,7 @@ def update_step(loss_and_grads, optimizer, metrics, **jit_options):
     finite = jnp.isfinite(loss) & jnp.isfinite(norm)
     return (*new, {"loss": loss, "grad_norm": norm, "finite": finite})
 
-  return jax.jit(step, donate_argnums=0, **jit_options)
+  return jax.jit(step, donate_argnums=0, compiler_options=REFERENCE_OPTIONS, **jit_options)
 
 
 def no_metrics(sharding):

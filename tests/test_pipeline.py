@@ -14,6 +14,7 @@ from helpers import mlp
 import parstrat
 import parstrat.testing
 from parstrat import pipeline
+from parstrat._src import hlo_check
 from parstrat._src.pipeline import engine
 
 
@@ -421,24 +422,80 @@ def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_
   _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, exchange_every=2)
 
 
+def _row_slices_in_branches(trainer, state, batch) -> int:
+  """How many times the step's per-stage branches slice a leaf out of a params row."""
+  size = state.params.shape[-1]
+
+  def walk(jaxpr, in_branch):
+    for eqn in jaxpr.eqns:
+      if in_branch and eqn.primitive.name == "dynamic_slice":
+        yield eqn.invars[0].aval.shape == (size,)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            yield from walk(sub, in_branch or eqn.primitive.name == "cond")
+
+  return sum(walk(trainer._compiled_step.trace(state, batch).jaxpr.jaxpr, False))
+
+
 # Leaves at the same place in every stage's buffer (same shape, same offset) are cut
-# from the device's row once per step, outside the tick loop; the others per tick.
+# from the device's row once per step, outside the tick loop (their gradients are
+# accumulated apart and put back after it); the others in every pass that uses them.
+# SGD: a gradient lost or added twice on either path changes the params.
 @pytest.mark.parametrize(
   "widths, features, shared",
   [([16, 16, 16, 16], 16, (0, 1, 2, 3)), ([16, 16, 16, 10], 8, (0,))],
 )
-def test_gpipe_cuts_the_leaves_alike_in_every_stage_once_per_step(widths, features, shared):
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(schedule="gpipe", cuts=(2,)),
+    dict(schedule="1f1b", cuts=(2,)),
+    dict(schedule="zb_h1", cuts=(2,), activations="save"),
+    dict(schedule="interleaved_1f1b", virtual_stages=2, cuts=(1, 2, 3)),
+  ],
+  ids=lambda options: options["schedule"],
+)
+def test_the_leaves_alike_in_every_stage_are_cut_once_per_step(widths, features, shared, options):
   model = mlp(widths)
   params = model.init(jax.random.key(0), jnp.zeros((1, features)))
   # Two layers (bias, weight each) per stage, as cuts=(2,) gives.
   layout = engine.FlatLayout.build(params, ((0, 1, 2, 3), (4, 5, 6, 7)))
   assert layout.shared_leaves() == shared
   strategy = parstrat.PipelineModelParallel(
-    stages=2, microbatches=2, schedule="gpipe", cuts=(2,), bubble_value=float("nan")
+    stages=2, microbatches=2, bubble_value=float("nan"), **options
   )
   parstrat.testing.check_strategy(
     strategy, model, [optax.sgd(0.1)], steps=3, batch=8, features=features
   )
+  if options["schedule"] != "gpipe":  # (the tick-table engine)
+    trainer = strategy(model, optax.sgd(0.1))
+    images, labels = parstrat.testing.random_batches(1, 8, features=features)
+    state = trainer.init(jax.random.key(0), images[0][:1])
+    slices = _row_slices_in_branches(trainer, state, (images[0], labels[0]))
+    assert (slices == 0) == (len(shared) == len(layout.stage_leaves[0]))
+
+
+# The gradient accumulators go into every tick's `lax.switch` and come back: added to
+# in place by B and W passes, unchanged by the others. The step compiles with copy
+# insertion's region analysis (`STEP_COMPILER_OPTIONS`), without which each of those
+# branches copies them (a mutation that drops the option fails here).
+@pytest.mark.parametrize(
+  "options", [dict(schedule="1f1b"), dict(schedule="zb_h1", activations="save")], ids=str
+)
+def test_ticks_that_leave_the_gradients_alone_do_not_copy_them(options):
+  model = mlp([16, 16, 16, 16])
+  trainer = parstrat.PipelineModelParallel(stages=2, microbatches=2, cuts=(2,), **options)(
+    model, optax.sgd(0.1)
+  )
+  images, labels = parstrat.testing.random_batches(1, 8, features=16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  copies = [line for kind, _, line in hlo_check.branch_instructions(text) if kind == "copy"]
+  assert copies, "no branch copies at all: the HLO was not read"  # (the fills are copied)
+  # The accumulators are f32[16,16] and f32[16] per layer; activations are [4, 16].
+  assert not [line for line in copies if "f32[16,16]" in line or "f32[16]" in line]
 
 
 # ------------------------------------------------------------------ placement

@@ -111,8 +111,11 @@ def _computations(text: str) -> dict[str, list[str]]:
   return comps
 
 
-def branch_collectives(text: str) -> list[Collective]:
-  """Every collective reachable from a `conditional`'s branch computations in HLO `text`."""
+def branch_instructions(text: str) -> list[tuple[str, str, str]]:
+  """`(opcode, name, line)` of every instruction reachable from a `conditional`'s branches.
+
+  Async pairs are read by their start (`all-reduce-start` as "all-reduce").
+  """
   comps = _computations(text)
   roots: list[str] = []
   for lines in comps.values():
@@ -135,13 +138,18 @@ def branch_collectives(text: str) -> list[Collective]:
       if m:
         roots += [n.strip().lstrip("%") for n in m.group(1).split(",")]
       m = _INSTRUCTION.match(line)
-      if not m:
-        continue
-      kind = m.group(2)
-      kind = kind.removesuffix("-start")
-      if kind in _COLLECTIVES:
-        found.append(Collective(kind, m.group(1), _groups(line, kind), line.strip()))
+      if m:
+        found.append((m.group(2).removesuffix("-start"), m.group(1), line.strip()))
   return found
+
+
+def branch_collectives(text: str) -> list[Collective]:
+  """Every collective reachable from a `conditional`'s branch computations in HLO `text`."""
+  return [
+    Collective(kind, name, _groups(line, kind), line)
+    for kind, name, line in branch_instructions(text)
+    if kind in _COLLECTIVES
+  ]
 
 
 def branch_problems(text: str, mesh: Mesh, vary: tuple[str, ...] = ("model",)) -> list[str]:

@@ -47,6 +47,13 @@ LossFn = Callable[[Any, Any], jax.Array]
 #: A pytree of arrays whose leaves share their leading (batch) axis.
 Batch = Any
 
+#: XLA options every training step compiles with. On CPU, copy insertion's region
+#: analysis lets a `lax.switch` branch hand back an operand it leaves unchanged
+#: without copying it: the pipeline engine's gradient accumulators pass through
+#: every tick that is not a backward pass (see README, "Overhead"). Other
+#: backends ignore the option.
+STEP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """The default loss: mean softmax cross-entropy on integer labels.
@@ -867,6 +874,7 @@ class Trainer:
       train_step,
       donate_argnums=0,
       out_shardings=(self._state_shardings, self._replicated),
+      compiler_options=dict(STEP_COMPILER_OPTIONS),
     )
 
   def _batch_sharding(self) -> NamedSharding:
