@@ -1,4 +1,3 @@
-import dataclasses
 import functools
 
 import haiku as hk
@@ -344,24 +343,13 @@ def test_backward_passes_rerun_the_forward_only_under_recompute():
   assert _forwards_per_step("zb_h1", "save") == 1
 
 
-def test_gpipe_is_autodiff_of_the_forward_loop_and_keeps_its_params_out_of_the_ticks():
+def test_gpipe_keeps_an_input_or_residuals_per_microbatch_never_its_params():
   M = 8
-  params = {"w": jnp.zeros((4, 2))}
-  flat = engine.FlatLayout.build(params, ((), (), (), (0,)))
-  split = engine.SplitLayout.build(params, ((), (), (), (0,)), (0,), 2, "model")
-  assert engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M), flat)
-  assert not engine.runs_by_autodiff(pipeline.build_schedule("gpipe", 4, M), split)
-  assert not engine.runs_by_autodiff(_table_gpipe(4, M), flat)
-  trainer = parstrat.PipelineModelParallel(stages=4, microbatches=M, schedule="gpipe")(
-    WIDE, optax.sgd(0.1)
-  )
-  trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
-  assert "activations: recompute, by autodiff of the forward loop" in trainer.plan.description
   recompute, save = (_compiled_cost(M, "gpipe", a) for a in ("recompute", "save"))
   # "save" keeps the residuals and drops the forward rerun of "recompute".
   assert recompute[0] < save[0] and save[1] < recompute[1], (recompute, save)
-  # Each extra microbatch (one more tick) keeps its stage input ("recompute": one slot)
-  # or its residuals, never a copy of the stage's params (4,160 floats: 8 slots).
+  # Each extra microbatch keeps its stage input ("recompute": one slot) or its
+  # residuals, never a copy of the stage's params (4,160 floats: 8 slots).
   for activations, most in (("recompute", 1.5), ("save", 6)):
     costs = [_compiled_cost(m, "gpipe", activations)[0] for m in (M, 2 * M)]
     more = costs[1] - costs[0]
@@ -369,7 +357,7 @@ def test_gpipe_is_autodiff_of_the_forward_loop_and_keeps_its_params_out_of_the_t
 
 
 @pytest.mark.parametrize("activations", ["save", "dots_saveable"])
-def test_gpipe_by_autodiff_matches_jit(activations):
+def test_gpipe_keeping_activations_matches_jit(activations):
   # NaN in the bubbles: an idle tick's output is never read, forward or backward.
   strategy = parstrat.PipelineModelParallel(
     stages=4,
@@ -469,12 +457,11 @@ def test_the_leaves_alike_in_every_stage_are_cut_once_per_step(widths, features,
   parstrat.testing.check_strategy(
     strategy, model, [optax.sgd(0.1)], steps=3, batch=8, features=features
   )
-  if options["schedule"] != "gpipe":  # (the tick-table engine)
-    trainer = strategy(model, optax.sgd(0.1))
-    images, labels = parstrat.testing.random_batches(1, 8, features=features)
-    state = trainer.init(jax.random.key(0), images[0][:1])
-    slices = _row_slices_in_branches(trainer, state, (images[0], labels[0]))
-    assert (slices == 0) == (len(shared) == len(layout.stage_leaves[0]))
+  trainer = strategy(model, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 8, features=features)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  slices = _row_slices_in_branches(trainer, state, (images[0], labels[0]))
+  assert (slices == 0) == (len(shared) == len(layout.stage_leaves[0]))
 
 
 # The gradient accumulators go into every tick's `lax.switch` and come back: added to
@@ -527,16 +514,8 @@ def test_each_device_holds_only_its_stage():
     assert not np.any(layout_rows[s, own.size :])
 
 
-def _table_gpipe(stages, microbatches):
-  """GPipe's table under another name, so the tick-table engine runs it (not autodiff)."""
-  table = pipeline.build_schedule("gpipe", stages, microbatches)
-  return dataclasses.replace(table, name="gpipe_table")
-
-
 def test_nan_bubbles_never_leak():
-  # "gpipe" runs by autodiff of the forward loop (its idle ticks send the bubble value
-  # too), the same table under another name in the tick-table engine.
-  for schedule in ("gpipe", _table_gpipe(4, 3), "1f1b"):
+  for schedule in ("gpipe", "1f1b"):
     strategy = parstrat.PipelineModelParallel(
       stages=4, microbatches=3, schedule=schedule, bubble_value=float("nan")
     )

@@ -40,8 +40,8 @@ def test_mixed_bfloat16_sends_bfloat16_activations_between_stages():
   assert "x4x32xf32>" not in text
 
 
-def test_gpipe_by_autodiff_sends_bfloat16_both_ways_and_matches_one_device():
-  # The forward loop's activation and its transpose's cotangent.
+def test_gpipe_sends_bfloat16_both_ways_and_matches_one_device():
+  # The activation on to the next stage and the gradient back to the previous one.
   permutes = _permutes(_mixed_program("gpipe"))
   assert permutes == ["4x32xbf16", "4x32xbf16"], permutes
   strategy = parstrat.PipelineModelParallel(stages=2, schedule="gpipe", activations="save")

@@ -161,7 +161,6 @@ def make_pipeline_plan(
     f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {ticks}, "
     f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
     f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
-    f"{', by autodiff of the forward loop' if engine.runs_by_autodiff(sched, layout) else ''}"
   )
   replicas = 1 if mesh is None else dict(mesh.shape).get(DATA, 1)
 

@@ -22,7 +22,6 @@ insert a hidden `psum`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -539,10 +538,6 @@ def pipeline_loss_and_grad(
   Activations go to device s+1 and gradients to s-1; with virtual stages the
   ends wrap (device P-1's chunk j feeds device 0's chunk j+1).
 
-  GPipe on a `FlatLayout` (`runs_by_autodiff`) does not walk the table: it is
-  `jax.value_and_grad` of the forward tick loop (`_autodiff_loss_and_grad`),
-  with `activations` as each tick's `jax.checkpoint` policy (`tick_policy`).
-
   Args:
     staged: the model cut into the schedule's P * v model stages.
     schedule: the tick table.
@@ -570,17 +565,6 @@ def pipeline_loss_and_grad(
     raise ValueError(f"The model is cut into {staged.num_stages} stages; the schedule runs {G}.")
   mb = jax.tree.leaves(inputs)[0].shape[0] // M
   xs, ys = microbatches(inputs, M), microbatches(targets, M)
-  if runs_by_autodiff(schedule, staged.layout):
-    return _autodiff_loss_and_grad(
-      staged,
-      M,
-      block,
-      xs,
-      ys,
-      stage_axis=stage_axis,
-      bubble_value=bubble_value,
-      activations=activations,
-    )
   W, dtype = staged.width, staged.act_dtype
   layout = staged.layout
   stage = lax.axis_index(stage_axis)
@@ -762,129 +746,6 @@ def pipeline_loss_and_grad(
   if sliced:
     grads = jax.tree.map(jnp.add, grads, row_grads)
   return loss, layout.constrain(grads)
-
-
-def runs_by_autodiff(schedule: Schedule, layout: FlatLayout | SplitLayout) -> bool:
-  """Whether `pipeline_loss_and_grad` runs `schedule` as autodiff of its forward loop.
-
-  True for GPipe without virtual stages on a `FlatLayout`: all its forwards come
-  before all its backwards, which is exactly what `jax.grad` of a forward tick
-  loop computes. Not with `SplitLayout` (a "model" axis): there XLA's SPMD
-  partitioner reshards the stage's slices inside the per-stage branches of the
-  loop and of its transpose (collective-permutes and all-gathers over "model"
-  inside a `lax.switch` branch, which `hlo_check.branch_problems` refuses), so
-  that case keeps the tick-table engine.
-  """
-  gpipe = schedule.name == "gpipe" and schedule.virtual_stages == 1
-  return gpipe and schedule.exchange_every == 1 and isinstance(layout, FlatLayout)
-
-
-#: Primitives that only move or view data: a tick rebuilds their outputs in the backward
-#: (from its inputs or from kept results) instead of keeping one copy per tick, e.g.
-#: the stage's parameters sliced (and cast) from its buffer, its input, its microbatch.
-_REBUILT = frozenset(
-  {
-    "broadcast_in_dim",
-    "concatenate",
-    "convert_element_type",
-    "copy",
-    "dynamic_slice",
-    "name",
-    "pad",
-    "reshape",
-    "sharding_constraint",
-    "slice",
-    "squeeze",
-    "transpose",
-  }
-)
-
-
-def _save_computed(prim, *_, **__) -> bool:
-  """The "save" policy of a tick: keep every computed value, rebuild the `_REBUILT` ones."""
-  return prim.name not in _REBUILT
-
-
-def tick_policy(activations: str):
-  """The `jax.checkpoint` policy of one autodiff GPipe tick under `activations`.
-
-  "recompute": nothing saved (only the tick's inputs are kept, the backward
-  reruns the stage); "save": every computed value (`_save_computed`; the
-  stage's params are not copied once per tick); a `jax.checkpoint_policies`
-  name: that policy.
-  """
-  residuals_lib.check_activations(activations)
-  if activations == "recompute":
-    return jax.checkpoint_policies.nothing_saveable
-  if activations == "save":
-    return _save_computed
-  return getattr(jax.checkpoint_policies, activations)
-
-
-def _autodiff_loss_and_grad(
-  staged: StagedModel,
-  microbatches: int,
-  block,
-  xs: Any,
-  ys: Any,
-  *,
-  stage_axis: str,
-  bubble_value: float,
-  activations: str,
-) -> tuple[jax.Array, Any]:
-  """GPipe as `jax.value_and_grad` of the forward tick loop (see `pipeline_loss_and_grad`).
-
-  Tick t in [0, M + P - 1): device s runs its stage on microbatch t - s when
-  that is in [0, M), else an idle branch that computes nothing and sends
-  `bubble_value` (never read: an active tick only receives from an active
-  one). The last stage adds its microbatch losses. JAX transposes the loop:
-  the backward runs the ticks in reverse, with the `ppermute`s reversed. Each
-  tick is one `jax.checkpoint` under `tick_policy(activations)`.
-  """
-  P, M = staged.num_stages, microbatches
-  mb = jax.tree.leaves(xs)[0].shape[1]
-  W, dtype = staged.width, staged.act_dtype
-  stage = lax.axis_index(stage_axis)
-  zero_loss = jnp.zeros((), jnp.float32)
-
-  layout = staged.layout
-
-  def branch(g):
-    def run(block, common, act, xs, ys, m):
-      row, x = _chunk(block, 0), _microbatch(xs, m)
-      leaves = layout.stage_params(g, row, common[0])
-      return staged.apply(g, leaves, staged.stage_input(g, act, x), _microbatch(ys, m), dtype)
-
-    return run
-
-  def idle(block, common, act, xs, ys, m):
-    return jnp.full((mb, W), bubble_value, dtype), zero_loss
-
-  branches = [idle, *(branch(g) for g in range(P))]
-
-  @functools.partial(jax.checkpoint, policy=tick_policy(activations))
-  def run_tick(index, block, common, act, xs, ys, m):
-    return lax.switch(index, branches, block, common, act, xs, ys, m)
-
-  def local_loss(block):
-    # The leaves every stage holds at the same place, cut once per step (not per tick).
-    common = cut_common(layout, block)
-
-    def tick(carry, t):
-      act, loss = carry
-      m = t - stage
-      active = (m >= 0) & (m < M)
-      out, d_loss = run_tick(
-        jnp.where(active, stage + 1, 0), block, common, act, xs, ys, jnp.clip(m, 0, M - 1)
-      )
-      return (_shift(out, stage_axis, P, +1), loss + d_loss), None
-
-    init = (jnp.zeros((mb, W), dtype), zero_loss)
-    (_, loss), _ = lax.scan(tick, init, jnp.arange(num_total_iterations(P, M)))
-    return loss / M  # nonzero on the last stage only
-
-  loss, grads = jax.value_and_grad(local_loss)(block)
-  return lax.psum(loss, stage_axis), staged.layout.constrain(grads)
 
 
 def pipeline_forward(
