@@ -517,10 +517,14 @@ def pipeline_loss_and_grad(
   Pseudo-code, for device `s` (its chunk j is model stage g = j P + s)::
 
     split the batch block into M microbatches
+    common[j] = the leaves every stage holds at the same place, cut once from
+                params[j] (the others are sliced from params[j] per pass)
     for e in range(T // K):                   # K = schedule.exchange_every
       for t in range(e K, e K + K):           # T = schedule.num_ticks
         match schedule.action[t, s] (of chunk j, microbatch m):
-          FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on
+          FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on;
+                    unless activations is "recompute", write its residuals
+                    into saved[slot] in place
           BACKWARD: recompute stage_g at stash[slot] (or, unless activations
                     is "recompute", rebuild its vjp from the residuals its
                     forward kept in saved[slot]), pull back the gradient that
@@ -533,6 +537,7 @@ def pipeline_loss_and_grad(
       `bubble_value` where its ticks computed none: never read by a correct
       schedule); store what arrived from device s-1 / s+1 into the slots the
       schedule names
+    add the gradients of common[j] into the row layout of d params[j]
     loss = psum over stages of the last stage's summed microbatch losses / M
 
   Activations go to device s+1 and gradients to s-1; with virtual stages the
