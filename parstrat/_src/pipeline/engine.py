@@ -533,10 +533,10 @@ def pipeline_loss_and_grad(
           BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
           BACKWARD_WEIGHT: the same, but only d params[j]
           IDLE:     nothing
-      exchange: send the exchange's one activation and one gradient (or
-      `bubble_value` where its ticks computed none: never read by a correct
-      schedule); store what arrived from device s-1 / s+1 into the slots the
-      schedule names
+      exchange: send the exchange's one activation on and one gradient back
+      (`bubble_value` where its ticks computed none; at K = 1 the tick's one
+      message goes both ways); store what arrived from device s-1 / s+1 into
+      the slots the schedule names (a correct schedule reads nothing else)
     add the gradients of common[j] into the row layout of d params[j]
     loss = psum over stages of the last stage's summed microbatch losses / M
 
@@ -655,17 +655,20 @@ def pipeline_loss_and_grad(
   # unchanged does not copy it.) The stash and the inbox are read-only operands,
   # written once per exchange.
   def branch(action: Action, g: int):
-    def run(block, common, grads, stash, inbox, saved, slots, x, y):
+    def run(block, common, grads, stash, inbox, saved, slots, xs, ys):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, fill, grads, saved, zero_loss  # (the batch has no gradient)
-      a_slot, g_slot, r_slot = slots
+        return fill, grads, saved, zero_loss  # (the batch has no gradient)
+      a_slot, g_slot, r_slot, m = slots
+      # Only the first stage reads the microbatch's inputs, only the last its targets.
+      x = _microbatch(xs, m) if g == 0 else None
+      y = _microbatch(ys, m) if g == G - 1 else None
       j = g // P
       row, own_common = _chunk(block, j), common[j]
       act = _read(stash, a_slot)
       if action == Action.FORWARD:
         if g not in residuals:
           out, loss = staged.forward(g, row, act, x, y, own_common)
-          return out, fill, grads, saved, loss
+          return out, grads, saved, loss
         leaves, inp = staged.stage_inputs(g, row, act, x, own_common)
         out, loss, res = residuals_lib.forward_saving(
           staged, g, leaves, inp, y, dtype, activations, slot
@@ -674,7 +677,7 @@ def pipeline_loss_and_grad(
           lax.dynamic_update_index_in_dim(part, r, r_slot, 0)
           for part, r in zip(saved, res, strict=True)
         )
-        return out, fill, grads, saved, loss
+        return out, grads, saved, loss
       grad = _read(inbox, g_slot)
       res = tuple(_read(part, r_slot) for part in saved) if g in residuals else None
       d_row, d_common, d_act = backward(action, g, row, own_common, act, grad, res, x, y)
@@ -686,7 +689,7 @@ def pipeline_loss_and_grad(
         grads = row_grads, (*common_grads[:j], added, *common_grads[j + 1 :])
       if action == Action.BACKWARD_WEIGHT:
         d_act = fill
-      return fill, d_act, grads, saved, zero_loss
+      return d_act, grads, saved, zero_loss
 
     return run
 
@@ -707,7 +710,8 @@ def pipeline_loss_and_grad(
       index, m, a_slot, g_slot, _, _, r_slot, sends_act, sends_grad = (
         tables[i, t, stage] for i in range(9)
       )
-      act, grad, grads, saved, d_loss = lax.switch(
+      # A pass sends at most one message (an activation on or a gradient back).
+      message, grads, saved, d_loss = lax.switch(
         index,
         branches,
         block,
@@ -716,16 +720,16 @@ def pipeline_loss_and_grad(
         stash,
         inbox,
         saved,
-        (a_slot, g_slot, r_slot),
-        _microbatch(xs, m),
-        _microbatch(ys, m),
+        (a_slot, g_slot, r_slot, m),
+        xs,
+        ys,
       )
       loss = loss + d_loss
-      if K == 1:
-        send_act, send_grad = act, grad
+      if K == 1:  # (both ways: a neighbour keeps it only where the table names a slot)
+        send_act = send_grad = message
       else:  # (a device sends at most one of each per exchange)
-        send_act = jnp.where(sends_act > 0, act, send_act)
-        send_grad = jnp.where(sends_grad > 0, grad, send_grad)
+        send_act = jnp.where(sends_act > 0, message, send_act)
+        send_grad = jnp.where(sends_grad > 0, message, send_grad)
     last = e * K + K - 1  # the receive slots sit in the exchange's last tick
     stash = _put(stash, tables[4, last, stage], _shift(send_act, stage_axis, P, +1, cyclic))
     inbox = _put(inbox, tables[5, last, stage], _shift(send_grad, stage_axis, P, -1, cyclic))
