@@ -295,13 +295,15 @@ class SplitLayout:
     return jnp.stack(split_rows), jnp.stack(replicated_rows)
 
   def shared_leaves(self) -> tuple[int, ...]:
-    """None: every leaf is sliced per pass, where its sharding constraint is set."""
+    """No leaf: every leaf is sliced per pass, where its sharding constraint is set."""
     return ()
 
   def cut_shared(self, row: tuple[jax.Array, jax.Array]) -> tuple[()]:
+    """Nothing to cut (see `shared_leaves`)."""
     return ()
 
   def owns_unshared(self, stage: int) -> bool:
+    """Always: every leaf is sliced per pass."""
     return True
 
   def stage_params(
