@@ -50,8 +50,9 @@ Batch = Any
 #: XLA options every training step compiles with. On CPU, copy insertion's region
 #: analysis lets a `lax.switch` branch hand back an operand it leaves unchanged
 #: without copying it: the pipeline engine's gradient accumulators pass through
-#: every tick that is not a backward pass (see README, "Overhead"). Other
-#: backends ignore the option.
+#: every tick that is not a backward pass (README, "Pipelines"; tested by
+#: `test_ticks_that_leave_the_gradients_alone_do_not_copy_them`). The GPU and TPU
+#: compilers do not read this CPU option.
 STEP_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 

@@ -644,7 +644,7 @@ def pipeline_loss_and_grad(
 
   # The leaves every stage holds at the same place (all of them for equal blocks) are
   # cut once per step (`cut_common`), not sliced out of the row in every pass; their
-  # gradients accumulate in `[v, ...]` stacks beside the rows' (which exist only if
+  # gradients accumulate per chunk and leaf beside the rows' (which exist only if
   # some stage has other leaves) and go back into the row layout after the loop.
   common = cut_common(layout, block)
   sliced = any(layout.owns_unshared(g) for g in range(G))
