@@ -227,13 +227,26 @@ def fsdp_reference(model, optimizer, params, n, metrics=False):
   return step, state, lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
 
 
-def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=1, metrics=False):
-  """A hand-written GPipe: `per_stage` x (Linear(width)+swish) per stage, stacked weights."""
+def shard_map_gpipe_reference(
+  width, stages, microbatches, optimizer, per_stage=1, metrics=False, remat=None, data=1
+):
+  """A hand-written GPipe: `per_stage` x (Linear(width)+swish) per stage, stacked weights.
+
+  With `data` > 1, `data` such pipelines side by side on a ("data", "stage") mesh, the
+  batch split over "data" (the counterpart of `Hybrid`): autodiff through `shard_map`
+  sums the gradients of the params, replicated over "data", over that axis.
+
+  Autodiff through the loop keeps every tick's residuals. With `remat` (a
+  `jax.checkpoint_policies` name, e.g. "nothing_saveable" or "dots_saveable"), each
+  tick's stage computation is wrapped in `jax.checkpoint` with that policy, as a user
+  bounding a GPipe loop's activation memory writes it (praxis' and MaxText's pipelines
+  remat their stages alike): the counterpart of parstrat's `activations=` policies.
+  """
   mesh = jax.make_mesh(
-    (stages,),
-    ("stage",),
-    devices=jax.devices()[:stages],
-    axis_types=(jax.sharding.AxisType.Auto,),
+    (data, stages),
+    ("data", "stage"),
+    devices=jax.devices()[: data * stages],
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
   )
   key = jax.random.key(0)
   w = jax.random.normal(key, (stages, per_stage, width, width)) / np.sqrt(width)
@@ -246,13 +259,19 @@ def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=
     M = microbatches
     xs = x.reshape(M, -1, width)
 
-    def tick(carry, t):
-      act, outs = carry
-      h = jnp.where(stage == 0, xs[jnp.clip(t, 0, M - 1)], act)
+    def stage_fn(w, b, h):
       for k in range(per_stage):
         h = h @ w[0, k] + b[0, k]
         last = (stage == stages - 1) & (k == per_stage - 1)
         h = jnp.where(last, h, jax.nn.swish(h))
+      return h
+
+    if remat is not None:
+      stage_fn = jax.checkpoint(stage_fn, policy=getattr(jax.checkpoint_policies, remat))
+
+    def tick(carry, t):
+      act, outs = carry
+      h = stage_fn(w, b, jnp.where(stage == 0, xs[jnp.clip(t, 0, M - 1)], act))
       m = t - (stages - 1)
       outs = jnp.where(
         (stage == stages - 1) & (m >= 0), outs.at[jnp.clip(m, 0, M - 1)].set(h), outs
@@ -265,7 +284,9 @@ def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=
     (_, outs), _ = lax.scan(tick, init, jnp.arange(M + stages - 1))
     return lax.psum(jnp.where(stage == stages - 1, outs, 0.0), "stage").reshape(x.shape)
 
-  logits = jax.shard_map(pipeline_logits, mesh=mesh, in_specs=(P("stage"), P()), out_specs=P())
+  logits = jax.shard_map(
+    pipeline_logits, mesh=mesh, in_specs=(P("stage"), P("data")), out_specs=P("data")
+  )
   stage_sharding = NamedSharding(mesh, P("stage"))
   params = jax.device_put(params, stage_sharding)
   opt_state = jax.tree.map(
@@ -280,7 +301,7 @@ def shard_map_gpipe_reference(width, stages, microbatches, optimizer, per_stage=
   step = update_step(loss_and_grads, optimizer, metrics)
   replicated = NamedSharding(mesh, P())
   state = (params, opt_state, no_metrics(replicated)) if metrics else (params, opt_state)
-  return step, state, lambda batch: jax.device_put(batch, replicated)
+  return step, state, lambda batch: jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
 def parstrat_step(trainer, sample):
@@ -341,6 +362,7 @@ def bytes_per_device(tree) -> int:
 
 WIDTH, LAYERS, BATCH = 512, 8, ARGS.batch
 STAGES, MICRO = 4, 8
+HYBRID_DATA, HYBRID_MICRO = 2, 4
 SAVE, K2 = {"activations": "save"}, {"exchange_every": 2}
 DOTS = {"activations": "dots_saveable"}
 #: The pipeline rows: (schedule, options). "save" keeps each forward's residuals
@@ -365,6 +387,25 @@ PIPELINES = (
   ("interleaved_1f1b", {"virtual_stages": 2, **DOTS, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **SAVE, **K2}),
 )
+
+
+#: The hand-written GPipe loop a pipeline row's activation policy compares with: the
+#: `jax.checkpoint` policy its stage computation is wrapped in (None: autodiff through
+#: the loop keeps every residual, as "save" does).
+HAND_REMAT = {
+  "recompute": "nothing_saveable",
+  "nothing_saveable": "nothing_saveable",
+  "dots_saveable": "dots_saveable",
+  "dots_with_no_batch_dims_saveable": "dots_with_no_batch_dims_saveable",
+  "save": None,
+}
+
+
+def hand_gpipe_with(remat: str | None, data: int = 1, microbatches: int = MICRO) -> str:
+  """The row name of a hand-written GPipe (with metrics) under checkpoint policy `remat`."""
+  remat = "" if remat is None else f", remat {remat}"
+  pipelines = "GPipe" if data == 1 else f"{data} x GPipe"
+  return f"shard_map {pipelines} by hand{remat}, P{STAGES} M{microbatches} + metrics"
 
 
 def pipeline_label(schedule: str, options: dict) -> str:
@@ -431,6 +472,22 @@ def run_strategies(results, repeats):
       hand_gpipe + suffix,
       shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage, metrics),
     )
+  # The hand-written GPipe loop under each activation policy, as the counterpart of the
+  # pipeline rows that use it (with the metrics every parstrat step returns).
+  policies = {options.get("activations", "recompute") for _, options in PIPELINES}
+  for remat in sorted({HAND_REMAT[policy] for policy in policies} - {None}):
+    reference(
+      hand_gpipe_with(remat),
+      shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage, True, remat),
+    )
+  # And Hybrid's: HYBRID_DATA such loops side by side, the batch split between them.
+  for remat in (None, HAND_REMAT["recompute"]):
+    reference(
+      hand_gpipe_with(remat, HYBRID_DATA, HYBRID_MICRO),
+      shard_map_gpipe_reference(
+        WIDTH, STAGES, HYBRID_MICRO, optimizer, per_stage, True, remat, HYBRID_DATA
+      ),
+    )
   configs = {
     f"data_parallel, {n}": parstrat.DataParallel(data=n),
     f"fsdp, {n}": parstrat.FSDP(data=n),
@@ -440,7 +497,8 @@ def run_strategies(results, repeats):
     configs[name] = parstrat.PipelineModelParallel(
       stages=STAGES, microbatches=MICRO, schedule=schedule, **options
     )
-  configs["hybrid 2x4, M4"] = parstrat.Hybrid(data=2, stages=4, microbatches=4)
+  hybrid = f"hybrid {HYBRID_DATA}x{STAGES}, M{HYBRID_MICRO}"
+  configs[hybrid] = parstrat.Hybrid(data=HYBRID_DATA, stages=STAGES, microbatches=HYBRID_MICRO)
   for name, strategy in configs.items():
     trainer = strategy(model, optimizer)
     step, state = parstrat_step(trainer, images[0][:1])
@@ -471,6 +529,16 @@ def run_strategies(results, repeats):
     for name in configs:
       if name.startswith("pipeline"):
         ratios[f"{name} / hand GPipe{suffix}"] = (name, hand_gpipe + suffix)
+  for name, strategy in configs.items():
+    if name.startswith("pipeline"):
+      counterpart = hand_gpipe_with(HAND_REMAT[strategy.activations])
+      ratios[f"{name} / hand GPipe, same activations + metrics"] = (name, counterpart)
+  hand_hybrid = functools.partial(hand_gpipe_with, data=HYBRID_DATA, microbatches=HYBRID_MICRO)
+  ratios[f"{hybrid} / hand {HYBRID_DATA} x GPipe + metrics"] = (hybrid, hand_hybrid(None))
+  ratios[f"{hybrid} / hand {HYBRID_DATA} x GPipe, same activations + metrics"] = (
+    hybrid,
+    hand_hybrid(HAND_REMAT[configs[hybrid].activations]),
+  )
   # More passes over every row, one after the other, so that a burst of load on the
   # shared cores hits all rows of a pass alike: step times are the median over passes,
   # and each ratio the median of its per-pass ratios.
