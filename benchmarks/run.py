@@ -234,7 +234,7 @@ def shard_map_gpipe_reference(
 
   With `data` > 1, `data` such pipelines side by side on a ("data", "stage") mesh, the
   batch split over "data" (the counterpart of `Hybrid`): autodiff through `shard_map`
-  sums the gradients of the params, replicated over "data", over that axis.
+  sums the gradients of the params, replicated over "data", over that axis, once per step.
 
   Autodiff through the loop keeps every tick's residuals. With `remat` (a
   `jax.checkpoint_policies` name, e.g. "nothing_saveable" or "dots_saveable"), each
@@ -259,6 +259,9 @@ def shard_map_gpipe_reference(
   params = (w, b)
 
   def pipeline_logits(params, x):
+    if data > 1:  # each replica's own params: their gradient is summed over "data" once,
+      # where this cast's transpose sits, not at each use inside the loop's backward
+      params = lax.pcast(params, ("data",), to="varying")
     w, b = params  # this stage's [1, per_stage, width, width], [1, per_stage, width]
     stage = lax.axis_index("stage")
     M = microbatches
