@@ -6,6 +6,7 @@ from helpers import DEEP_MLP
 
 import parstrat
 import parstrat.testing
+from parstrat._src import hlo_check
 
 
 # (8, 1) and (1, 8) are data parallelism and the pipeline: see
@@ -50,6 +51,22 @@ def test_one_data_replica_runs_no_all_reduce_of_the_gradients():
     ]
   assert not reductions[1], reductions[1]
   assert reductions[2]
+
+
+def test_replicas_average_their_gradients_once_per_step_not_in_every_tick():
+  # A hand-written data x GPipe under `shard_map` with check_vma gets its params'
+  # gradient psum over "data" at their use inside the loop, so autodiff puts it in every
+  # tick of the backward loop (the benchmark's reference was caught doing so). The
+  # replicas' one all-reduce over "data" belongs after the loop.
+  images, labels = parstrat.testing.random_batches(1, 16)
+  trainer = parstrat.Hybrid(data=2, stages=2, microbatches=4)(DEEP_MLP, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  in_loop = hlo_check.loop_instructions(text)
+  assert {kind for kind, _, _ in in_loop} >= {"collective-permute", "conditional"}
+  assert [line for kind, _, line in in_loop if kind == "all-reduce"] == []
+  buffer = f"[1,{state.params.shape[1]}]"
+  assert [line for line in text.splitlines() if "all-reduce(" in line and buffer in line]
 
 
 def test_stage_replicas_are_identical_and_each_device_holds_one_stage():

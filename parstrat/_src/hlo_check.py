@@ -27,6 +27,7 @@ _CALLED = re.compile(
   r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,22 @@ def branch_instructions(text: str) -> list[tuple[str, str, str]]:
         roots += [name.strip().lstrip("%") for name in m.group(1).split(",")]
       elif " conditional(" in line:
         roots += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)
+  return _reachable(comps, roots)
+
+
+def loop_instructions(text: str) -> list[tuple[str, str, str]]:
+  """`(opcode, name, line)` of every instruction reachable from a `while` loop's body.
+
+  What runs once per iteration: for a pipeline, once per tick (its branches included).
+  Async pairs are read by their start, as in `branch_instructions`.
+  """
+  comps = _computations(text)
+  roots = [name for lines in comps.values() for line in lines for name in _BODY.findall(line)]
+  return _reachable(comps, roots)
+
+
+def _reachable(comps: dict[str, list[str]], roots: list[str]) -> list[tuple[str, str, str]]:
+  """`(opcode, name, line)` of every instruction in `roots` and the computations they call."""
   seen: set[str] = set()
   found = []
   while roots:
