@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +168,24 @@ class TestBadInput:
       trainer.init(jax.random.key(0), jnp.zeros((0, 784)))
     with pytest.raises(RuntimeError, match="Call trainer.init"):
       trainer.apply(None, np.zeros((2, 784), np.float32))
+
+
+def test_each_replica_squares_only_its_share_of_the_gradients_for_the_norm():
+  # The gradients are the same on every replica after their pmean, so each of
+  # the 4 devices sums the squares of a quarter of every leaf, and a scalar psum
+  # adds the parts: metrics["grad_norm"] reads each gradient once across the mesh.
+  trainer = parstrat.DataParallel(data=4)(SEED_MLP, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  hlo = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  squared = sorted(
+    int(np.prod([int(d) for d in dims.split(",") if d]))
+    for dims in re.findall(r"%square[\w.]* = f32\[([\d,]*)\]", hlo)
+  )
+  sizes = [leaf.size for leaf in jax.tree.leaves(state.params)]
+  # A leaf 4 does not divide (the 10-wide bias) is summed whole, counted 1/4 each.
+  shares = sorted(size // 4 if size % 4 == 0 else size for size in sizes)
+  assert squared == shares  # 784 x 512 / 4, 512 / 4, 512 x 10 / 4 and 10
+  state, metrics = trainer.step(state, (images[0], labels[0]))
+  shards = metrics["grad_norm"].addressable_shards
+  assert len({float(shard.data) for shard in shards}) == 1  # the same norm on every device

@@ -747,6 +747,7 @@ class Trainer:
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     self.__dict__.pop("_compiled_step", None)
+    self.__dict__.pop("_abstract_leaves", None)
     self._branches_checked = set()  # (program, batch size) pairs read: none for a new layout
     self.__dict__.pop("_compiled_apply", None)
     self.__dict__.pop("_compiled_params", None)
@@ -808,13 +809,21 @@ class Trainer:
         )
         if plan.reduce is not None:
           loss, grads = plan.reduce((loss, grads))
-        return loss, grads, _mean_over(model_state, axes, mesh)
+        model_state = _mean_over(model_state, axes, mesh)
+        if not norm_inside:
+          return loss, grads, model_state
+        return loss, grads, model_state, trees.replicated_norm(grads, mesh.axis_names)
 
+      # Gradients replicated over the whole mesh (after the reduction): each
+      # device takes the norm of its 1/N of them, instead of all of it.
+      norm_inside = plan.reduce is not None and all(
+        spec == P() for spec in jax.tree.leaves(param_spec, is_leaf=lambda x: isinstance(x, P))
+      )
       grad_fn = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(param_spec, P(), P(), plan.batch_spec, plan.batch_spec),
-        out_specs=(P(), param_spec, P()),
+        out_specs=(P(), param_spec, P()) + ((P(),) if norm_inside else ()),
         check_vma=plan.check_vma,
       )
     else:  # global arrays; XLA's partitioner adds the collectives the shardings imply
@@ -837,6 +846,13 @@ class Trainer:
           )
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings), model_state
 
+    def loss_grads_and_norm(params, model_state, key, inputs, targets):
+      """(loss, grads, model_state, the gradients' global norm)."""
+      out = grad_fn(params, model_state, key, inputs, targets)
+      if len(out) == 4:
+        return out
+      return (*out, optax.tree_utils.tree_norm(out[1]))
+
     optimizer = self.optimizer
     skip_nonfinite = self.skip_nonfinite
     uses_default_loss = self.uses_default_loss
@@ -845,12 +861,11 @@ class Trainer:
 
     def train_step(state: TrainState, batch):
       key = self._key(state.rng, state.step) if uses_rng else None
-      loss, grads, model_state = grad_fn(
+      loss, grads, model_state, grad_norm = loss_grads_and_norm(
         state.params, state.model_state, key, inputs_of(batch), targets_of(batch)
       )
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-      grad_norm = optax.tree_utils.tree_norm(grads)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_state = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
       if skip_nonfinite:  # keep the old params and optimizer state for a bad batch
@@ -1005,8 +1020,7 @@ class Trainer:
         and the default loss) labels outside `[0, C)`.
     """
     self._check_state(state, "step")
-    batch = self._check_batch(batch)
-    batch = jax.device_put(batch, self._batch_sharding())
+    batch = self._placed(self._check_batch(batch))
     if self.strategy.debug and self.uses_default_loss:
       self._check_label_range(*batch)
     self._check_branches(self._compiled_step, (state, batch), "step")
@@ -1014,6 +1028,14 @@ class Trainer:
     if self.strategy.debug:
       checks.assert_replicas_equal(state)
     return state, metrics
+
+  def _placed(self, batch: Any) -> Any:
+    """`batch` laid out with the batch sharding (a batch already there is passed as is)."""
+    sharding = self._batch_sharding()
+    leaves = jax.tree.leaves(batch)
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+      return batch
+    return jax.device_put(batch, sharding)
 
   def _check_branches(self, compiled: Any, args: tuple, what: str) -> None:
     """Refuses a program with collectives some devices would never reach, before it runs.
@@ -1128,6 +1150,10 @@ class Trainer:
     return self._compiled_apply(*args)
 
   # ----------------------------------------------------------------- guards
+  @functools.cached_property
+  def _abstract_leaves(self) -> tuple[list[Any], Any]:
+    return jax.tree.flatten(self._abstract_state)
+
   def _check_state(self, state: Any, what: str) -> None:
     """Refuses a donated state, or one of another trainer, before JAX sees it.
 
@@ -1139,13 +1165,17 @@ class Trainer:
     """
     self.plan  # noqa: B018 - raises a clear error before init
     leaves, treedef = jax.tree.flatten(state)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-      if isinstance(leaf, jax.Array) and leaf.is_deleted():
-        raise ValueError(
-          f"{what}: this state was donated to an earlier trainer.step (its leaf "
-          f"{trees.leaf_name(path)} is deleted); pass the state that step returned."
-        )
-    want_leaves, want_treedef = jax.tree.flatten(self._abstract_state)
+    if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+      path = next(  # the slow walk with names only for the message
+        path
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+        if isinstance(leaf, jax.Array) and leaf.is_deleted()
+      )
+      raise ValueError(
+        f"{what}: this state was donated to an earlier trainer.step (its leaf "
+        f"{trees.leaf_name(path)} is deleted); pass the state that step returned."
+      )
+    want_leaves, want_treedef = self._abstract_leaves
     if treedef == want_treedef and all(
       np.shape(x) == w.shape for x, w in zip(leaves, want_leaves, strict=True)
     ):

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def leaf_name(path: tuple) -> str:
@@ -123,3 +124,46 @@ def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
 def _shape(x: Any) -> tuple[int, ...]:
   shape = getattr(x, "shape", None)
   return tuple(int(d) for d in (np.shape(x) if shape is None else shape))
+
+
+def replicated_norm(tree: Any, axes: tuple[str, ...]) -> jax.Array:
+  """Inside `jax.shard_map`: the global norm of a tree every device along `axes` holds alike.
+
+  Equal to `optax.tree_utils.tree_norm(tree)` on every device, but each of the
+  N devices squares and sums only its 1/N of every leaf whose size N divides
+  (a leaf N does not divide counts 1/N of its sum on each), and one scalar
+  `psum` over `axes` adds the parts. On replicated gradients this reads each
+  gradient once across the mesh instead of once per device.
+
+  Args:
+    tree: a pytree of arrays, the same on every device along `axes` (e.g.
+      gradients after their `pmean`).
+    axes: the manual mesh axes the tree is replicated over.
+
+  Returns:
+    A scalar: the 2-norm of all leaves together, the same on every device.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, parstrat
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from parstrat._src.trees import replicated_norm
+    >>> mesh = jax.make_mesh((4,), ("data",))
+    >>> tree = {"w": jnp.arange(8.0), "b": jnp.ones(3)}
+    >>> norm = jax.shard_map(lambda t: replicated_norm(t, ("data",)), mesh=mesh,
+    ...                      in_specs=P(), out_specs=P())(tree)
+    >>> bool(np.isclose(norm, np.sqrt(140.0 + 3.0)))
+    True
+  """
+  size = int(np.prod([jax.lax.axis_size(a) for a in axes]))
+  index = jax.lax.axis_index(axes)
+  sliced, whole = [], []
+  for leaf in jax.tree.leaves(tree):
+    if leaf.size % size == 0 and leaf.size >= size:
+      rows = leaf.reshape(size, leaf.size // size)
+      sliced.append(jax.lax.dynamic_index_in_dim(rows, index, keepdims=False))
+    else:
+      whole.append(leaf)
+  squares = optax.tree_utils.tree_norm(sliced, squared=True)
+  if whole:
+    squares = squares + optax.tree_utils.tree_norm(whole, squared=True) / size
+  return jnp.sqrt(jax.lax.psum(squares, axes))
