@@ -827,6 +827,7 @@ class Trainer:
         check_vma=plan.check_vma,
       )
     else:  # global arrays; XLA's partitioner adds the collectives the shardings imply
+      norm_inside = False  # the partitioner takes the norm where the gradients lie
       grad_spec = param_spec if plan.grad_spec is None else plan.grad_spec
       grad_shardings = jax.tree.broadcast(self._shardings(grad_spec), self._abstract_state.params)
       ways = self._batch_split()
@@ -846,13 +847,6 @@ class Trainer:
           )
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings), model_state
 
-    def loss_grads_and_norm(params, model_state, key, inputs, targets):
-      """(loss, grads, model_state, the gradients' global norm)."""
-      out = grad_fn(params, model_state, key, inputs, targets)
-      if len(out) == 4:
-        return out
-      return (*out, optax.tree_utils.tree_norm(out[1]))
-
     optimizer = self.optimizer
     skip_nonfinite = self.skip_nonfinite
     uses_default_loss = self.uses_default_loss
@@ -861,9 +855,12 @@ class Trainer:
 
     def train_step(state: TrainState, batch):
       key = self._key(state.rng, state.step) if uses_rng else None
-      loss, grads, model_state, grad_norm = loss_grads_and_norm(
-        state.params, state.model_state, key, inputs_of(batch), targets_of(batch)
-      )
+      args = (state.params, state.model_state, key, inputs_of(batch), targets_of(batch))
+      if norm_inside:
+        loss, grads, model_state, grad_norm = grad_fn(*args)
+      else:
+        loss, grads, model_state = grad_fn(*args)
+        grad_norm = optax.tree_utils.tree_norm(grads)
       updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
