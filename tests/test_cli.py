@@ -165,3 +165,22 @@ def test_same_flags_print_the_same_losses():
   assert first.returncode == 0 and second.returncode == 0
   pick = lambda text: [x for x in text.splitlines() if x.startswith(("epoch", "eval"))]  # noqa: E731
   assert pick(first.stdout) and pick(first.stdout) == pick(second.stdout)
+
+
+def test_train_fsdp_replicate_below_keeps_small_leaves_whole(capsys):
+  code = cli.main(
+    ["train", "--strategy", "fsdp", "--replicate-below", "1000", "--devices", "2",
+     "--hidden", "64", "--source", "sample", "--batch-size", "64", "--steps", "2",
+     "--epochs", "1", "--no-progress"]
+  )  # fmt: skip
+  out = capsys.readouterr().out
+  assert code == 0
+  # 784x64 split; the 64-wide bias, the 64x10 weight (640 elements) and the 10-wide bias whole.
+  assert (
+    "ZeRO-3: params, gradients and optimizer state of 1 of 4 parameter leaves sharded over "
+    "'data' (under 1000 elements: replicated); batch split"
+  ) in out
+  with pytest.raises(SystemExit) as info:
+    cli.main(["train", "--strategy", "fsdp", "--replicate-below", "-1"])
+  assert info.value.code == 2
+  assert "--replicate-below: expected an integer >= 0, got -1" in capsys.readouterr().err

@@ -7,7 +7,7 @@ losses and `grad_norm`, and final params, within the suite's tolerances: 1e-5,
 Adam-like params lr / 10) or be refused with an error containing a given text.
 A case that silently changes either way fails.
 
-The full cross product (8 models x 5 optimizers x 12 strategy meshes) would
+The full cross product (8 models x 5 optimizers x 14 strategy meshes) would
 take far too long, so the table is a covering design: under every strategy,
 every model and every optimizer appears at least once and both mesh shapes
 are used; each (model, optimizer) pair appears under several strategies and
@@ -43,6 +43,8 @@ STRATEGIES = {
   "data_parallel:2": lambda: parstrat.DataParallel(data=2),
   "fsdp:8": lambda: parstrat.FSDP(data=8),
   "fsdp:2,zero2": lambda: parstrat.FSDP(data=2, zero=2),
+  # Leaves under 64 elements (biases, LayerNorm scales) replicated, the 16x16 weights split.
+  "fsdp:4,replicate<64": lambda: parstrat.FSDP(data=4, replicate_below=64),
   "tensor:2": lambda: parstrat.TensorParallel(model=2),
   "tensor:4": lambda: parstrat.TensorParallel(model=4),
   "pipeline:2": lambda: parstrat.PipelineModelParallel(stages=2, microbatches=2),
@@ -93,6 +95,8 @@ EXPECTED = {
   ("fsdp:2,zero2", "lm", "adam"): MATCH,
   ("fsdp:2,zero2", "shared", "clip_sgd"): MATCH,
   ("fsdp:8", "dropout", "adamw_mask"): MATCH,
+  ("fsdp:4,replicate<64", "mlp_layernorm", "adamw_mask"): MATCH,
+  ("fsdp:4,replicate<64", "lm", "clip_sgd"): MATCH,
   # tensor
   ("tensor:2", "mlp", "sgd_momentum"): MATCH,
   ("tensor:4", "mlp_layernorm", "adamw_mask"): MATCH,

@@ -1,5 +1,7 @@
 """FSDP and TensorParallel: equivalence with jit, and where the parameters live."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -92,3 +94,49 @@ def test_zero_1_and_2_shard_only_the_optimizer_state(zero):
 def test_zero_stage_must_be_1_2_or_3():
   with pytest.raises(ValueError, match="zero must be the ZeRO stage 1, 2 or 3, got 4"):
     parstrat.FSDP(zero=4)
+
+
+def _all_gathered_shapes(trainer, state, batch) -> list[str]:
+  text = trainer.lower(state, batch).compile().as_text()
+  return re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+
+
+def test_fsdp_replicate_below_keeps_small_leaves_whole_and_stops_gathering_them():
+  sample = np.zeros((1, 784), np.float32)
+  images, labels = parstrat.testing.random_batches(1, 1024)
+  gathered = {}
+  for below in (0, 4096):
+    trainer = parstrat.FSDP(data=8, replicate_below=below)(SEED_MLP, optax.adam(1e-3))
+    state = trainer.init(jax.random.key(0), sample)
+    shapes = {
+      f"{layer}/{name}": {s.data.shape for s in leaf.addressable_shards}
+      for layer, leaves in state.params.items() for name, leaf in leaves.items()
+    }  # fmt: skip
+    mu = state.opt_state[0].mu["mlp/~/linear_0"]["b"]
+    if below:
+      # 512-wide bias (512 elements) replicated, with its Adam moment; weights still split.
+      assert shapes["mlp/~/linear_0/b"] == {(512,)}
+      assert {s.data.shape for s in mu.addressable_shards} == {(512,)}
+      assert shapes["mlp/~/linear_1/w"] == {(64, 10)}  # 5,120 elements
+      assert "(under 4096 elements: replicated)" in trainer.plan.description
+    else:
+      assert shapes["mlp/~/linear_0/b"] == {(64,)}
+      assert {s.data.shape for s in mu.addressable_shards} == {(64,)}
+    assert shapes["mlp/~/linear_0/w"] == {(98, 512)}
+    gathered[below] = _all_gathered_shapes(trainer, state, (images[0], labels[0]))
+  # The partitioner gathers the sharded 512-wide bias; replicated, it has nothing to gather.
+  assert "f32[512]{0}" in gathered[0]
+  assert "f32[512]{0}" not in gathered[4096]
+  assert len(gathered[4096]) < len(gathered[0])
+
+
+@pytest.mark.parametrize("zero", [3, 2])
+def test_fsdp_replicate_below_matches_single_device_jit(zero):
+  strategy = parstrat.FSDP(data=8, zero=zero, replicate_below=4096)
+  parstrat.testing.check_strategy(strategy, SEED_MLP, steps=5, batch=32)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4096"])
+def test_fsdp_replicate_below_must_be_a_non_negative_int(bad):
+  with pytest.raises(ValueError, match=f"replicate_below must be .* got {re.escape(repr(bad))}"):
+    parstrat.FSDP(replicate_below=bad)

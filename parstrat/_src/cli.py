@@ -231,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="fsdp's ZeRO stage")
   train.add_argument(
+    "--replicate-below",
+    type=_non_negative,
+    default=None,
+    metavar="N",
+    help="fsdp: keep parameter leaves of fewer than N elements replicated (default 0)",
+  )
+  train.add_argument(
     "--memory-budget",
     default=None,
     help="for --strategy auto: bytes per device, e.g. 512MiB (default: no limit)",
@@ -407,7 +414,7 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
 
   config = {}
   keys = ("data", "stages", "model", "microbatches", "schedule", "virtual_stages", "activations",
-          "exchange_every", "zero", "memory_budget")  # fmt: skip
+          "exchange_every", "zero", "replicate_below", "memory_budget")  # fmt: skip
   for key in keys:
     value = getattr(args, key)
     if value is not None:

@@ -25,7 +25,11 @@ class FSDP(Strategy):
   Like `DataParallel` the batch is split over "data", but each parameter is
   also split over "data" along its largest dimension that the axis size divides
   (tiny leaves such as a 10-wide bias stay replicated), and so are its gradient
-  and optimizer state. The step is written on global arrays; XLA all-gathers
+  and optimizer state. With `replicate_below`, leaves smaller than that many
+  elements (biases, LayerNorm scales) stay replicated too, as DeepSpeed ZeRO-3's
+  `stage3_param_persistence_threshold` does: each such leaf saves an all-gather
+  in the forward and in the backward pass and a reduce-scatter, whose latency
+  costs more than the few bytes it would save. The step is written on global arrays; XLA all-gathers
   each weight just before it is used and reduce-scatters its gradient, so each
   device holds about 1/N of the parameters and optimizer state.
 
@@ -47,10 +51,13 @@ class FSDP(Strategy):
   Args:
     data: devices on the "data" axis (default: all).
     zero: the ZeRO stage, 1, 2 or 3.
+    replicate_below: leaves with fewer elements than this stay replicated
+      (default 0: shard every leaf that has a dimension the axis size divides).
     devices, debug: see `Strategy`.
 
   Raises:
-    ValueError: for a `zero` other than 1, 2 or 3.
+    ValueError: for a `zero` other than 1, 2 or 3, or a `replicate_below` that
+      is not a non-negative int.
 
   Example:
     >>> import parstrat
@@ -58,10 +65,13 @@ class FSDP(Strategy):
     {'data': 4}
     >>> parstrat.get("fsdp", zero=1)
     FSDP(zero=1)
+    >>> parstrat.get("fsdp", replicate_below=4096)
+    FSDP(replicate_below=4096)
   """
 
   data: int | None = None
   zero: int = 3
+  replicate_below: int = 0
   axis_names = (DATA,)
   supports_rng = True
   supports_state = True
@@ -69,6 +79,11 @@ class FSDP(Strategy):
   def __post_init__(self):
     if isinstance(self.zero, bool) or self.zero not in (1, 2, 3):
       raise ValueError(f"zero must be the ZeRO stage 1, 2 or 3, got {self.zero!r}.")
+    below = self.replicate_below
+    if isinstance(below, bool) or not isinstance(below, int) or below < 0:
+      raise ValueError(
+        f"replicate_below must be a number of elements (an int >= 0), got {below!r}."
+      )
 
   @property
   def gradient_traffic(self) -> tuple[float, int]:  # type: ignore[override]
@@ -86,14 +101,18 @@ class FSDP(Strategy):
 
   def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs) -> Plan:
     size = mesh.shape[DATA]
-    specs = jax.tree.map(lambda p: fsdp_spec(p.shape, DATA, size), sample_params)
+    specs = jax.tree.map(
+      lambda p: fsdp_spec(p.shape, DATA, size, self.replicate_below), sample_params
+    )
 
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
     sharded = sum(1 for spec in leaves if spec != P())
     what = {3: "params, gradients and optimizer state", 2: "gradients and optimizer state"}
     description = (
       f"ZeRO-{self.zero}: {what.get(self.zero, 'optimizer state')} of {sharded} of "
-      f"{len(leaves)} parameter leaves sharded over 'data'; batch split"
+      f"{len(leaves)} parameter leaves sharded over 'data'"
+      + (f" (under {self.replicate_below} elements: replicated)" if self.replicate_below else "")
+      + "; batch split"
     )
     if self.zero == 3:
       return global_plan(model, loss_fn, specs, P(DATA), description)

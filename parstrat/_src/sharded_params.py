@@ -8,6 +8,7 @@ MaxText and praxis do.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -48,8 +49,13 @@ def global_plan(model, loss_fn, param_spec: Any, batch_spec: P, description: str
   )
 
 
-def fsdp_spec(shape: tuple[int, ...], axis: str, size: int) -> P:
-  """Shards the largest dimension divisible by `size` over `axis` (else replicates)."""
+def fsdp_spec(shape: tuple[int, ...], axis: str, size: int, replicate_below: int = 0) -> P:
+  """Shards the largest dimension divisible by `size` over `axis` (else replicates).
+
+  A leaf of fewer than `replicate_below` elements is replicated whatever its shape.
+  """
+  if math.prod(shape) < replicate_below:
+    return P()
   candidates = [d for d in np.argsort(shape)[::-1] if shape[d] % size == 0 and shape[d] >= size]
   if not candidates:
     return P()
