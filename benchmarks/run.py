@@ -195,12 +195,13 @@ def shard_map_dp_reference(model, optimizer, params, n, metrics=False):
   return step, state, lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
 
 
-def fsdp_reference(model, optimizer, params, n, metrics=False):
+def fsdp_reference(model, optimizer, params, n, metrics=False, replicate_below=0):
   """FSDP as a user writes it today: `jit` on params sharded over "data", XLA's collectives.
 
   Each leaf is split along its largest dimension that n divides (else replicated),
   the optimizer state alike, the batch over "data"; the partitioner inserts the
-  all-gathers and reduce-scatters.
+  all-gathers and reduce-scatters. Leaves of fewer than `replicate_below` elements
+  stay replicated (the layout of `FSDP(replicate_below=...)`).
   """
   mesh = jax.make_mesh(
     (n,), ("data",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
@@ -210,7 +211,7 @@ def fsdp_reference(model, optimizer, params, n, metrics=False):
   def sharding(leaf):
     dims = [d for d in np.argsort(np.shape(leaf))[::-1] if np.shape(leaf)[d] % n == 0]
     spec = [None] * np.ndim(leaf)
-    if dims:
+    if dims and np.size(leaf) >= replicate_below:
       spec[int(dims[0])] = "data"
     return NamedSharding(mesh, P(*spec))
 
@@ -373,6 +374,9 @@ WIDTH, LAYERS, BATCH = 512, 8, ARGS.batch
 STAGES, MICRO = 4, 8
 HYBRID_DATA, HYBRID_MICRO = 2, 4
 SAVE, K2 = {"activations": "save"}, {"exchange_every": 2}
+#: The `fsdp` row's second layout: leaves under this many elements stay replicated
+#: (DeepSpeed ZeRO-3's default `stage3_param_persistence_threshold`; here the biases).
+REPLICATE_BELOW = 100_000
 DOTS = {"activations": "dots_saveable"}
 #: The pipeline rows: (schedule, options). "save" keeps each forward's residuals
 #: (no rerun in the backward, as in the hand-written GPipe), "dots_saveable" its
@@ -481,6 +485,12 @@ def run_strategies(results, repeats):
       hand_gpipe + suffix,
       shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage, metrics),
     )
+  # The hand-written FSDP with small leaves replicated: `fsdp`'s second layout, by hand.
+  hand_fsdp_small = f"{hand_fsdp}, under {REPLICATE_BELOW:,} replicated + metrics"
+  reference(
+    hand_fsdp_small,
+    fsdp_reference(model, optimizer, params, n, True, replicate_below=REPLICATE_BELOW),
+  )
   # The hand-written GPipe loop under each activation policy, as the counterpart of the
   # pipeline rows that use it (with the metrics every parstrat step returns).
   policies = {options.get("activations", "recompute") for _, options in PIPELINES}
@@ -500,6 +510,9 @@ def run_strategies(results, repeats):
   configs = {
     f"data_parallel, {n}": parstrat.DataParallel(data=n),
     f"fsdp, {n}": parstrat.FSDP(data=n),
+    f"fsdp replicate_below={REPLICATE_BELOW:,}, {n}": parstrat.FSDP(
+      data=n, replicate_below=REPLICATE_BELOW
+    ),
   }
   for schedule, options in PIPELINES:
     name = f"pipeline {pipeline_label(schedule, options)}, P{STAGES} M{MICRO}"
@@ -532,6 +545,10 @@ def run_strategies(results, repeats):
   for suffix in ("", " + metrics"):
     ratios[f"data_parallel / {hand_dp}{suffix}"] = (dp, hand_dp + suffix)
     ratios[f"fsdp / {hand_fsdp}{suffix}"] = (fsdp, hand_fsdp + suffix)
+  fsdp_small = f"fsdp replicate_below={REPLICATE_BELOW:,}, {n}"
+  for suffix in ("", " + metrics"):  # against FSDP as a user writes it: every leaf split
+    ratios[f"{fsdp_small} / {hand_fsdp}{suffix}"] = (fsdp_small, hand_fsdp + suffix)
+  ratios[f"{fsdp_small} / {hand_fsdp}, same layout + metrics"] = (fsdp_small, hand_fsdp_small)
   ratios[f"fsdp / {hand_dp}"] = (fsdp, hand_dp)
   ratios[f"data_parallel / pmap by hand, {n}"] = (dp, f"pmap by hand, {n}")
   for suffix in ("", " + metrics"):
