@@ -588,6 +588,7 @@ def run_strategies(results, repeats):
     "passes": ARGS.passes,
     "rows": rows,
     "ratios": {k: ratio(a, b) for k, (a, b) in ratios.items()},
+    "ratio_rows": {k: [a, b] for k, (a, b) in ratios.items()},
   }
 
 
@@ -748,9 +749,14 @@ def main():
       f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
       f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>38}"
     )
-  print(f"\nstep time ratios (same run, median over {block['passes']} passes):")
+  print(
+    f"\nstep time ratios (same run, median over {block['passes']} passes; "
+    "the lowest and highest per-pass ratio):"
+  )
   for name, ratio in block["ratios"].items():
-    print(f"  {name:56} {ratio:.3f}")
+    a, b = (block["rows"][row]["pass_medians_s"] for row in block["ratio_rows"][name])
+    per_pass = np.divide(a, b)
+    print(f"  {name:56} {ratio:.3f}  [{per_pass.min():.3f}, {per_pass.max():.3f}]")
   print(
     f"\nlock-step time in stage forwards (each exchange waits for the slowest device; "
     f"the hand-written GPipe: {3 * (MICRO + STAGES - 1)}, (M + P - 1)(F + B)):"
