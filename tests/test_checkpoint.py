@@ -104,6 +104,8 @@ def test_a_checkpoint_moves_between_strategies_and_device_counts(tmp_path):
     parstrat.PipelineModelParallel(stages=4, microbatches=2),
     parstrat.Hybrid(data=2, stages=4, microbatches=2),
     parstrat.DataParallel(data=1),
+    # Weights split over 8 devices, biases and the 160-element head whole.
+    parstrat.FSDP(data=8, replicate_below=200),
   ):
     other = strategy(MODEL, optax.adam(1e-2))
     restored = other.init(jax.random.key(1), images[0][:1])  # different init: overwritten
