@@ -485,6 +485,10 @@ def run_strategies(results, repeats):
       hand_gpipe + suffix,
       shard_map_gpipe_reference(WIDTH, STAGES, MICRO, optimizer, per_stage, metrics),
     )
+  # The same hand-written FSDP + metrics once more, as its own row: the ratio of two
+  # identical programs is this run's noise floor for the parity rows.
+  hand_fsdp_copy = f"{hand_fsdp}, second copy + metrics"
+  reference(hand_fsdp_copy, fsdp_reference(model, optimizer, params, n, True))
   # The hand-written FSDP with small leaves replicated: `fsdp`'s second layout, by hand.
   hand_fsdp_small = f"{hand_fsdp}, under {REPLICATE_BELOW:,} replicated + metrics"
   reference(
@@ -549,6 +553,10 @@ def run_strategies(results, repeats):
   for suffix in ("", " + metrics"):  # against FSDP as a user writes it: every leaf split
     ratios[f"{fsdp_small} / {hand_fsdp}{suffix}"] = (fsdp_small, hand_fsdp + suffix)
   ratios[f"{fsdp_small} / {hand_fsdp}, same layout + metrics"] = (fsdp_small, hand_fsdp_small)
+  ratios[f"control: {hand_fsdp_copy} / {hand_fsdp} + metrics"] = (
+    hand_fsdp_copy,
+    hand_fsdp + " + metrics",
+  )
   ratios[f"fsdp / {hand_dp}"] = (fsdp, hand_dp)
   ratios[f"data_parallel / pmap by hand, {n}"] = (dp, f"pmap by hand, {n}")
   for suffix in ("", " + metrics"):
