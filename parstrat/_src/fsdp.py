@@ -25,13 +25,15 @@ class FSDP(Strategy):
   Like `DataParallel` the batch is split over "data", but each parameter is
   also split over "data" along its largest dimension that the axis size divides
   (tiny leaves such as a 10-wide bias stay replicated), and so are its gradient
-  and optimizer state. With `replicate_below`, leaves smaller than that many
-  elements (biases, LayerNorm scales) stay replicated too, as DeepSpeed ZeRO-3's
-  `stage3_param_persistence_threshold` does: each such leaf saves an all-gather
-  in the forward and in the backward pass and a reduce-scatter, whose latency
-  costs more than the few bytes it would save. The step is written on global arrays; XLA all-gathers
+  and optimizer state. The step is written on global arrays; XLA all-gathers
   each weight just before it is used and reduce-scatters its gradient, so each
   device holds about 1/N of the parameters and optimizer state.
+
+  With `replicate_below`, leaves smaller than that many elements (biases,
+  LayerNorm scales) stay replicated too, as DeepSpeed ZeRO-3's
+  `stage3_param_persistence_threshold` does: each such leaf saves an all-gather
+  in the forward and in the backward pass and its gradient's reduce-scatter,
+  whose latency costs more than the few bytes sharding it would save.
 
   Written on global arrays, a model's randomness (one key for the whole
   batch) and state (updated from the whole batch) are exactly as on one
