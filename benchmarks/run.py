@@ -511,12 +511,12 @@ def run_strategies(results, repeats):
         WIDTH, STAGES, HYBRID_MICRO, optimizer, per_stage, True, remat, HYBRID_DATA
       ),
     )
+  dp, fsdp = f"data_parallel, {n}", f"fsdp, {n}"
+  fsdp_small = f"fsdp replicate_below={REPLICATE_BELOW:,}, {n}"
   configs = {
-    f"data_parallel, {n}": parstrat.DataParallel(data=n),
-    f"fsdp, {n}": parstrat.FSDP(data=n),
-    f"fsdp replicate_below={REPLICATE_BELOW:,}, {n}": parstrat.FSDP(
-      data=n, replicate_below=REPLICATE_BELOW
-    ),
+    dp: parstrat.DataParallel(data=n),
+    fsdp: parstrat.FSDP(data=n),
+    fsdp_small: parstrat.FSDP(data=n, replicate_below=REPLICATE_BELOW),
   }
   for schedule, options in PIPELINES:
     name = f"pipeline {pipeline_label(schedule, options)}, P{STAGES} M{MICRO}"
@@ -544,12 +544,10 @@ def run_strategies(results, repeats):
       rows[name]["lockstep_forwards"] = schedule.lockstep_time(cost)
       rows[name]["bubble_measured"], state = measured_bubble(trainer, state, placed[0])
     timers[name] = [step, state, placed]
-  dp, fsdp = f"data_parallel, {n}", f"fsdp, {n}"
   ratios = {}
   for suffix in ("", " + metrics"):
     ratios[f"data_parallel / {hand_dp}{suffix}"] = (dp, hand_dp + suffix)
     ratios[f"fsdp / {hand_fsdp}{suffix}"] = (fsdp, hand_fsdp + suffix)
-  fsdp_small = f"fsdp replicate_below={REPLICATE_BELOW:,}, {n}"
   for suffix in ("", " + metrics"):  # against FSDP as a user writes it: every leaf split
     ratios[f"{fsdp_small} / {hand_fsdp}{suffix}"] = (fsdp_small, hand_fsdp + suffix)
   ratios[f"{fsdp_small} / {hand_fsdp}, same layout + metrics"] = (fsdp_small, hand_fsdp_small)
