@@ -114,3 +114,33 @@ def test_a_decay_mask_sees_the_model_layout_and_matches_jit(strategy):
   parstrat.testing.check_strategy(
     strategy, MODEL, [MASKED_ADAMW], steps=3, batch=8, features=FEATURES, atol=1e-4
   )
+
+
+# Optimizer states that are not one copy of the params per leaf: multi_transform's
+# inner states hold `optax.MaskedNode`s for the leaves of other labels, and
+# adafactor's per-leaf moments have other shapes than their leaf (row and column
+# factors, or a (1,) placeholder). Each once crashed these layouts at `init`.
+OTHER_STATE_SHAPES = {
+  "multi_transform sgd / adam": optax.multi_transform(
+    {"weights": optax.sgd(0.1), "rest": optax.adam(1e-2)},
+    lambda params: jax.tree.map(lambda p: "weights" if p.ndim > 1 else "rest", params),
+  ),
+  "adafactor, factored from 8": optax.adafactor(1e-2, min_dim_size_to_factor=8),
+}
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    parstrat.DataParallel(data=2),
+    parstrat.FSDP(data=2),
+    parstrat.FSDP(data=4, zero=1),
+    parstrat.TensorParallel(model=2),
+  ],
+  ids=repr,
+)
+@pytest.mark.parametrize("name", sorted(OTHER_STATE_SHAPES))
+def test_optimizer_states_of_other_shapes_train_like_jit(strategy, name):
+  parstrat.testing.check_strategy(
+    strategy, MODEL, [OTHER_STATE_SHAPES[name]], steps=3, batch=8, features=FEATURES, atol=1e-4
+  )

@@ -698,15 +698,25 @@ class Trainer:
     param_shardings = self._shardings(plan.param_spec)
     stored = jax.eval_shape(plan.to_stored, abstract_params)
     opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)
-    # Optimizer-state leaves that mirror a parameter get that parameter's
-    # sharding; counters and other non-parameter leaves are replicated.
+    # Optimizer-state leaves that mirror a parameter (Adam's moments) get that
+    # parameter's sharding. Counters and other non-parameter leaves are replicated,
+    # and so are per-parameter leaves of another shape (adafactor's factored
+    # moments). `multi_transform`'s masked-out leaves (`optax.MaskedNode`) stay.
     abstract_opt = jax.eval_shape(self.optimizer.init, stored)
+
+    def param_leaf_sharding(leaf, sharding, param):
+      if isinstance(leaf, optax.MaskedNode):
+        return leaf
+      return sharding if leaf.shape == param.shape else self._replicated
+
     opt_shardings = optax.tree_utils.tree_map_params(
       self.optimizer,
-      lambda _, sharding: sharding,
+      param_leaf_sharding,
       abstract_opt,
       jax.tree.broadcast(opt_shardings, stored),
+      stored,
       transform_non_params=lambda _: self._replicated,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     replicated = lambda x: with_sharding(x, self._replicated)  # noqa: E731
