@@ -187,11 +187,14 @@ def model_loss(model: hk.TransformedWithState, loss_fn: LossFn) -> Callable[...,
 def outputs_fn(model: hk.TransformedWithState, model_state: Any = None) -> Callable[..., Any]:
   """`(params, inputs) -> outputs` of a stateful-contract `model`, for tracing analyses.
 
-  The model gets `model_state` (default: an empty state) and a fixed key, so a
-  model that draws randomness can still be traced (its layout analysis does
-  not depend on the key's value).
+  The model gets `model_state` (default: an empty state; `ShapeDtypeStruct`
+  leaves are taken as zeros) and a fixed key, so a model that draws randomness
+  can still be traced (its layout analysis depends on neither's values).
   """
-  state = {} if model_state is None else model_state
+  state = jax.tree.map(
+    lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s,
+    {} if model_state is None else model_state,
+  )
 
   def outputs(params, inputs):
     return model.apply(params, state, jax.random.key(0), inputs)[0]
