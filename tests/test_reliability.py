@@ -140,6 +140,36 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   assert _steps(metrics) == [1, 2]
 
 
+def test_cli_a_cosine_schedule_resumes_on_its_own_length(tmp_path, capsys):
+  # The cosine's length was the invocation's last step, and not in the checkpoint:
+  # stopping at step 3 and resuming to 6 silently decayed to 0 at 3, then restarted
+  # a 6-step curve. Now the length is recorded (and guarded); --schedule-steps fixes it.
+  flags = [*TRAIN, "--optimizer", "sgd", "--lr", "0.05", "--lr-schedule", "cosine"]
+
+  def history(directory):
+    rows = [r for r in read_history(directory / "metrics.jsonl") if "loss" in r]
+    return [(r["step"], r["loss"], r["learning_rate"]) for r in rows]
+
+  straight = tmp_path / "straight"
+  assert cli.main([*flags, "--checkpoint-dir", str(straight), "--steps", "6"]) == 0
+  legs = tmp_path / "legs"
+  leg = [*flags, "--checkpoint-dir", str(legs), "--save-every", "3", "--schedule-steps", "6"]
+  assert cli.main([*leg, "--steps", "3"]) == 0
+  assert cli.main([*leg, "--steps", "6", "--resume"]) == 0
+  assert history(legs) == history(straight)
+  assert history(straight)[-1][2] > 0 and history(straight)[2][2] > history(straight)[-1][2]
+
+  unplanned = tmp_path / "unplanned"
+  leg = [*flags, "--checkpoint-dir", str(unplanned), "--save-every", "3"]
+  assert cli.main([*leg, "--steps", "3"]) == 0
+  capsys.readouterr()
+  assert cli.main([*leg, "--steps", "6", "--resume"]) == 2
+  err = _one_line(capsys.readouterr().err)
+  assert "written with another configuration (schedule_steps 3 -> 6)" in err
+  assert cli.main([*leg, "--steps", "6", "--resume", "--allow-config-change"]) == 0
+  assert "changed configuration: schedule_steps 3 -> 6" in capsys.readouterr().out
+
+
 def test_resume_with_another_model_is_one_line_and_leaves_the_metrics(tmp_path):
   ckpt = tmp_path / "ck"
   assert cli.main([*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "3"]) == 0

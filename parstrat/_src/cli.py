@@ -183,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     "--warmup-steps", type=_non_negative, default=0, help="linear learning-rate warm-up steps"
   )
   train.add_argument(
+    "--schedule-steps",
+    type=_positive,
+    default=None,
+    help="the cosine schedule's length in steps (default: the run's last step, from --steps "
+    "or --epochs); give it to train in legs (--steps 500, then --steps 1000 --resume) on "
+    "one schedule",
+  )
+  train.add_argument(
     "--weight-decay", type=_non_negative_float, default=0.0, help="weight decay (0: none)"
   )
   train.add_argument(
@@ -479,9 +487,11 @@ def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
     raise UsageError(f"{flag} {path}: cannot write in {existing}: {e.strerror or e}") from None
 
 
-def _run_config(args: argparse.Namespace) -> dict:
+def _run_config(args: argparse.Namespace, data) -> dict:
   """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
+  cosine = args.lr_schedule == "cosine"
   return {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
+          "schedule_steps": _schedule_steps(args, data) if cosine else None,
           "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
@@ -489,8 +499,8 @@ def _run_config(args: argparse.Namespace) -> dict:
 
 
 #: Changes to these need --allow-config-change on --resume.
-GUARDED = ("optimizer", "lr", "lr_schedule", "warmup_steps", "weight_decay", "clip_norm",
-           "precision", "dataset")  # fmt: skip
+GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "weight_decay",
+           "clip_norm", "precision", "dataset")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -506,7 +516,7 @@ def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
   return guarded, [text for key, text in changes.items() if key not in GUARDED]
 
 
-def _open_checkpoints(args, strategy, trainer, say):
+def _open_checkpoints(args, strategy, trainer, say, data):
   """The run's `Checkpointer`, and for `--resume` the restored state and its metadata.
 
   Returns `(checkpointer, state or None, meta or None)`. Closes the
@@ -547,7 +557,7 @@ def _open_checkpoints(args, strategy, trainer, say):
         f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
         f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
       )
-    guarded, other = _config_changes(meta.get("config", {}), _run_config(args))
+    guarded, other = _config_changes(meta.get("config", {}), _run_config(args, data))
     if guarded and not args.allow_config_change:
       raise UsageError(
         f"--resume: the checkpoint was written with another configuration ({', '.join(guarded)});"
@@ -704,6 +714,11 @@ def _total_steps(args, data) -> int | None:
   return None if data.steps_per_epoch is None else args.epochs * data.steps_per_epoch
 
 
+def _schedule_steps(args, data) -> int | None:
+  """The learning-rate schedule's length: --schedule-steps, else the run's last step."""
+  return args.schedule_steps or _total_steps(args, data)
+
+
 def _optimizer(args, data):
   """The optimizer and its learning-rate schedule from the flags."""
   from parstrat._src import optimizers
@@ -713,7 +728,7 @@ def _optimizer(args, data):
       args.lr,
       schedule=args.lr_schedule,
       warmup_steps=args.warmup_steps,
-      total_steps=_total_steps(args, data),
+      total_steps=_schedule_steps(args, data),
     )
     # A constant rate goes in as a number: the optimizer state then has no schedule
     # counter, and checkpoints restore with a plain `optax.adam(lr)`.
@@ -787,7 +802,7 @@ def _train_one(
   first_epoch, skip_batches = 0, 0
   resume_step = None
   if args.checkpoint_dir:
-    ckpt, restored, meta = _open_checkpoints(args, strategy, trainer, say)
+    ckpt, restored, meta = _open_checkpoints(args, strategy, trainer, say, data)
     if restored is not None:
       state = restored
       step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
@@ -832,7 +847,7 @@ def _train_one(
     if batch == steps_per_epoch:
       epoch, batch = epoch + 1, 0
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
-            "batch_size": args.batch_size, "config": _run_config(args)}  # fmt: skip
+            "batch_size": args.batch_size, "config": _run_config(args, data)}  # fmt: skip
 
   window: list[float] = []  # finite losses since the last logged row
   window_steps, window_seconds = 0, 0.0

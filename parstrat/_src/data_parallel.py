@@ -22,18 +22,6 @@ from parstrat._src.strategy import model_loss
 DATA = "data"
 
 
-def local_values(tree: Any, axes: str | tuple[str, ...]) -> Any:
-  """Marks `tree` as device-varying over `axes` inside `jax.shard_map`.
-
-  Gradients taken with respect to the result are each device's own (no
-  implicit sum over `axes`), so the strategy's explicit `average_gradients`
-  is the one and only reduction. Without this, a replicated input's gradient
-  under `shard_map` comes back already summed over the mesh, and a later
-  `pmean` silently leaves it N times too large.
-  """
-  return lax.pcast(tree, axes, to="varying")
-
-
 def average_gradients(tree: Any, axes: str | tuple[str, ...] = DATA) -> Any:
   """Averages per-device values (losses, gradients) over the mesh `axes`."""
   return lax.pmean(tree, axes)
@@ -90,9 +78,7 @@ class DataParallel(Strategy):
     local_loss = jax.value_and_grad(model_loss(model, loss_fn), has_aux=True)
 
     def loss_and_grad(params, inputs, targets, rng, model_state):  # this device's own
-      (loss, model_state), grads = local_loss(
-        local_values(params, DATA), inputs, targets, rng, model_state
-      )
+      (loss, model_state), grads = local_loss(params, inputs, targets, rng, model_state)
       return loss, grads, model_state
 
     def forward(params, inputs, rng, model_state):
@@ -107,4 +93,9 @@ class DataParallel(Strategy):
       reduce=lambda loss_and_grads: average_gradients(loss_and_grads, DATA),
       forward=forward,
       description="params replicated over 'data'; batch split over 'data'",
+      # Every reduction is the explicit `average_gradients`: without the varying-axes
+      # check the gradient of the replicated params is each device's own. With it, a
+      # model's `lax.scan` over a carry it starts from constants (an LSTM's zero
+      # state under `hk.dynamic_unroll`) fails to trace: the carry becomes varying.
+      check_vma=False,
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -202,8 +203,50 @@ def outputs_fn(model: hk.TransformedWithState, model_state: Any = None) -> Calla
   return outputs
 
 
+def with_rng_argument(model: Any) -> Any:
+  """`model` (same kind) with an `apply` that takes an rng, as Haiku's does by default.
+
+  `hk.without_apply_rng` drops the rng from `apply`: `(params, [state,] *inputs)`
+  instead of `(params, [state,] rng, *inputs)`. A model whose `apply` signature
+  names an `rng` is returned as it is; for any other, the first call passes the
+  key and, if that raises a TypeError, calls again without it and keeps to
+  that (re-raising the first error if the second call fails too).
+  """
+  try:
+    if "rng" in inspect.signature(model.apply).parameters:
+      return model
+  except (TypeError, ValueError):  # no signature to read: find out at the first call
+    pass
+  takes_rng: bool | None = None
+
+  def apply(params, *args):
+    nonlocal takes_rng
+    *state, rng, inputs = args
+    if takes_rng is False:
+      return model.apply(params, *state, inputs)
+    try:
+      outputs = model.apply(params, *state, rng, inputs)
+    except TypeError as with_rng:
+      if takes_rng:
+        raise
+      try:
+        outputs = model.apply(params, *state, inputs)
+      except Exception:  # noqa: BLE001 - not an rng-less apply: the first error stands
+        raise with_rng from None
+      takes_rng = False
+      return outputs
+    takes_rng = True
+    return outputs
+
+  return type(model)(init=model.init, apply=apply)
+
+
 def as_stateful(model: Any) -> hk.TransformedWithState:
-  """`model` under Haiku's stateful contract (an `hk.transform` model gets an empty state)."""
+  """`model` under Haiku's stateful contract (an `hk.transform` model gets an empty state).
+
+  Its `apply` takes an rng, also where `hk.without_apply_rng` removed it.
+  """
+  model = with_rng_argument(model)
   if isinstance(model, hk.TransformedWithState):
     return model
 
@@ -563,7 +606,7 @@ class Trainer:
     self.uses_rng = False
     # The user's model with the precision policy around `apply` (same kind as `model`),
     # and what the plan sees: that model under Haiku's stateful contract.
-    self._policy_model = precision_lib.with_policy(model, self.policy)
+    self._policy_model = precision_lib.with_policy(with_rng_argument(model), self.policy)
     self._plan_model = as_stateful(self._policy_model)
     # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
     self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
@@ -1378,14 +1421,36 @@ def _key_impl(rng: jax.Array):
 
 
 def _reads_rng(model, params, model_state, inputs) -> bool:
-  """Whether the model's `apply` reads its rng (calls `hk.next_rng_key()`), found by tracing."""
+  """Whether the model's `apply` reads its rng (calls `hk.next_rng_key()`), found by tracing.
+
+  Haiku's lifted transforms (`hk.remat`, `hk.layer_stack`, `hk.dynamic_unroll`)
+  hand the key into their inner computation whether or not it draws from it.
+  So a key that reaches an equation counts as read if the outputs depend on it
+  (the jaxpr's dead-code elimination, JAX's internal `dce_jaxpr`, says which
+  inputs they use), or if `apply` fails without a key: a model that calls
+  `hk.next_rng_key()` and drops the value (dropout at rate 0) still needs one.
+  """
   key = jax.random.key(0)
   jaxpr = jax.make_jaxpr(lambda p, s, k, x: model.apply(p, s, k, x))(
     params, model_state, key, inputs
-  )
+  ).jaxpr
   n = len(jax.tree.leaves(params)) + len(jax.tree.leaves(model_state))
-  key_var = jaxpr.jaxpr.invars[n]
-  return any(key_var in eqn.invars for eqn in jaxpr.jaxpr.eqns) or key_var in jaxpr.jaxpr.outvars
+  key_var = jaxpr.invars[n]
+  if not any(key_var in eqn.invars for eqn in jaxpr.eqns) and key_var not in jaxpr.outvars:
+    return False
+  try:
+    from jax._src.interpreters import partial_eval  # noqa: PLC0415 - internal, optional
+
+    _, used = partial_eval.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+  except (ImportError, AttributeError, TypeError, ValueError):
+    return True  # cannot tell: the key reaches an equation
+  if used[n]:
+    return True
+  try:
+    jax.eval_shape(lambda p, s, x: model.apply(p, s, None, x), params, model_state, inputs)
+  except Exception:  # noqa: BLE001 - Haiku's MissingRNGError, or any failure without a key
+    return True
+  return False
 
 
 @jax.jit

@@ -378,11 +378,14 @@ def plan_stages(
   if balance not in ("params", "flops"):
     raise ValueError(f"balance must be 'params' or 'flops', got {balance!r}.")
   trace = _trace(apply_fn, params, inputs)
-  if len(trace.jaxpr.outvars) != 1:
+  outputs = jax.eval_shape(apply_fn, params, inputs)
+  if not isinstance(outputs, jax.ShapeDtypeStruct):  # also a one-leaf dict or tuple
+    structure = jax.tree.structure(outputs)
     raise ValueError(
       f"A pipelined model must return one array (the logits); it returns "
-      f"{len(trace.jaxpr.outvars)} (a pytree of outputs). The pipeline carries one array "
-      "out of its last stage: use data_parallel, fsdp or tensor for models with several outputs."
+      f"{len(trace.jaxpr.outvars)} (a pytree of outputs, {structure}). The pipeline carries "
+      "one array out of its last stage: use data_parallel, fsdp or tensor for models with "
+      "several outputs, or return the array itself."
     )
   analysis = _analyse(trace)
   order = analysis.layer_order
