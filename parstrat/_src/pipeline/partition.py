@@ -121,6 +121,9 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
     return apply_fn(jax.tree.unflatten(treedef, leaves), x)
 
   closed = jax.make_jaxpr(flat_apply)(leaves, inputs)
+  if any(_call_body(eqn) is not None for eqn in closed.jaxpr.eqns):
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    closed = jax.make_jaxpr(functools.partial(_eval_inlined, closed.jaxpr, closed.consts))(*avals)
   jaxpr = closed.jaxpr
   jaxpr = jaxpr.replace(
     eqns=_sink_parameter_math(jaxpr.eqns, [*jaxpr.invars[: len(leaves)], *jaxpr.constvars])
@@ -140,6 +143,44 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
     leaf_layer=leaf_layer,
     layer_names=names,
   )
+
+
+#: Primitives that only wrap a computation (`jax.checkpoint`, which `hk.remat` uses, and
+#: `jax.jit`): their bodies are inlined before the model is cut, so a layer inside
+#: one is a layer like the others. Their values are the same either way; the
+#: pipeline's own `activations` policy decides what its stages keep.
+_CALLS = ("remat2", "checkpoint", "jit", "pjit", "closed_call", "core_call")
+
+
+def _call_body(eqn) -> jex.ClosedJaxpr | None:
+  """The body of a call-like equation `_CALLS` names (None for any other, and a marker)."""
+  if eqn.primitive.name not in _CALLS or "jaxpr" not in eqn.params or _is_marker(eqn):
+    return None
+  body = eqn.params["jaxpr"]
+  return body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ())
+
+
+def _eval_inlined(jaxpr, consts, *args) -> list[Any]:
+  """`jax.core.eval_jaxpr`, with the bodies of `_CALLS` equations evaluated in line."""
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    values = [read(v) for v in eqn.invars]
+    body = _call_body(eqn)
+    if body is not None:
+      outs = _eval_inlined(body.jaxpr, body.consts, *values)
+    else:
+      bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before JAX 0.7
+      subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+      outs = eqn.primitive.bind(*subfuns, *values, **params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
 
 
 def _is_var(v) -> bool:
