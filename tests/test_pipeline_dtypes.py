@@ -68,3 +68,22 @@ def test_params_in_bfloat16_with_float32_compute_match_one_device():
   one_device = precision_lib.with_policy(MODEL, precision_lib.resolve_policy(policy))
   expected = jax.jit(one_device.apply)(params, None, images[0])
   np.testing.assert_allclose(trainer.apply(state, images[0]), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bfloat16_params_average_their_gradients_in_float32_under_hybrid_model_axis():
+  # A bfloat16 pmean over "data" inside the shard_map that leaves "model" to the
+  # partitioner aborted the process in XLA's CPU backend ("Invalid binary
+  # instruction opcode copy"); `average_gradients` now sums such gradients in float32.
+  policy = "params=bfloat16,compute=float32,output=float32"
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2)
+  trainer = strategy(MODEL, optax.sgd(0.1), precision=policy)
+  images, labels = parstrat.testing.random_batches(1, 16, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  lines = trainer.lower(state, (images[0], labels[0])).as_text().splitlines()
+  # The element type each all-reduce adds in: the first line of its reduction body.
+  summed = [lines[i + 1] for i, line in enumerate(lines) if '"stablehlo.all_reduce"' in line]
+  assert summed and not [line for line in summed if "bf16" in line], summed
+  parstrat.testing.check_strategy(
+    strategy, MODEL, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES,
+    precision=policy, rtol=2e-2, atol=2e-2,
+  )  # fmt: skip

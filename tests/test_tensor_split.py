@@ -245,3 +245,42 @@ def test_weights_tied_across_stages_are_refused_naming_the_parameter():
     ValueError, match=r"Parameter \['embed'\]\['embeddings'\] is used by stages 0 and 1"
   ):
     pipeline_engine.FlatLayout.build(tied, ((0,), (0,)))
+
+
+def _remat_block(x):
+  h = hk.Linear(32, name="inp")(x)
+  h = h + hk.remat(lambda y: hk.Linear(32, name="down")(jax.nn.gelu(hk.Linear(64, name="up")(y))))(
+    h
+  )
+  return hk.Linear(10, name="head")(h)
+
+
+def test_a_pair_inside_hk_remat_is_split_and_matches_jit():
+  # JAX 0.10 names jax.checkpoint's primitive "remat2": the analysis did not look
+  # inside it, and the whole model stayed replicated. One list of call primitives
+  # (`jaxpr_calls`) now serves this analysis and the pipeline's cut.
+  model = hk.transform(_remat_block)
+  plan = _plan(model)
+  assert len(plan.groups) == 1, str(plan)
+  assert _dims(plan)["up/w"] == 1 and _dims(plan)["down/w"] == 0
+  parstrat.testing.check_strategy(
+    parstrat.TensorParallel(model=2), model, [optax.sgd(0.1)], steps=2, batch=8,
+    features=FEATURES,
+  )  # fmt: skip
+
+
+def test_tensor_split_plan_reads_models_with_randomness_or_state():
+  # As the trainer does: a key for a model that draws one, the state of a stateful one.
+  def dropout(x):
+    h = jax.nn.relu(hk.Linear(16, name="up")(x))
+    return hk.Linear(10, name="down")(hk.dropout(hk.next_rng_key(), 0.5, h))
+
+  def running_mean(x):
+    mean = hk.get_state("mean", [x.shape[-1]], init=jnp.zeros)
+    hk.set_state("mean", 0.9 * mean + 0.1 * x.mean(0))
+    return hk.Linear(10, name="down")(jax.nn.relu(hk.Linear(16, name="up")(x - mean)))
+
+  x = np.zeros((2, FEATURES), np.float32)
+  for model in (hk.transform(dropout), hk.transform_with_state(running_mean)):
+    plan = parstrat.tensor_split_plan(model, x, 2)
+    assert len(plan.groups) == 1 and _dims(plan)["up/w"] == 1, str(plan)

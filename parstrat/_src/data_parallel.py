@@ -7,6 +7,7 @@ from typing import Any
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -23,8 +24,16 @@ DATA = "data"
 
 
 def average_gradients(tree: Any, axes: str | tuple[str, ...] = DATA) -> Any:
-  """Averages per-device values (losses, gradients) over the mesh `axes`."""
-  return lax.pmean(tree, axes)
+  """Averages per-device values (losses, gradients) over the mesh `axes`.
+
+  Floats narrower than 32 bits (bfloat16 params' gradients) are summed in
+  float32 and cast back: a sum of bfloat16 parts loses their low bits, and
+  XLA's CPU backend aborts on a bfloat16 `pmean` over "data" inside a
+  `shard_map` that leaves "model" to the partitioner (`Hybrid(model>1)`).
+  """
+  narrow = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32  # noqa: E731
+  wide = jax.tree.map(lambda x: x.astype(jnp.float32) if narrow(x) else x, tree)
+  return jax.tree.map(lambda mean, x: mean.astype(x.dtype), lax.pmean(wide, axes), tree)
 
 
 @registry.register("data_parallel")

@@ -44,6 +44,8 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
+from parstrat._src import jaxpr_calls
+
 _UNARY = frozenset(
   """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
   asin acos atan sinh cosh asinh acosh atanh abs sqrt rsqrt cbrt integer_pow square
@@ -59,9 +61,7 @@ _ARG_REDUCE = frozenset(("argmax", "argmin"))
 _CUMULATIVE = frozenset("cumsum cumprod cummax cummin cumlogsumexp".split())
 _VIEW = frozenset(("convert_element_type", "copy", "copy_p", "reduce_precision"))
 #: Call-like primitives whose body is inlined for the analysis.
-_INLINE = frozenset(
-  "jit pjit closed_call core_call custom_jvp_call custom_vjp_call remat checkpoint".split()
-)
+_INLINE = jaxpr_calls.WRAPPERS | jaxpr_calls.CUSTOM_DERIVATIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +646,8 @@ def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> Ten
   `Hybrid`, groups are also kept within a stage).
 
   Args:
-    model: an `hk.Transformed`.
+    model: an `hk.Transformed` or `hk.TransformedWithState` (one that draws
+      randomness is traced with a fixed key, as the trainer's analysis does).
     sample_inputs: example inputs (arrays or `jax.ShapeDtypeStruct`s).
     model_parallel: the size T of the "model" axis.
 
@@ -675,5 +676,11 @@ def tensor_split_plan(model, sample_inputs: Any, model_parallel: int = 2) -> Ten
     )
   if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
     raise ValueError(f"model_parallel must be an integer >= 1, got {model_parallel!r}.")
-  params = jax.eval_shape(model.init, jax.random.key(0), sample_inputs)
-  return analyse(lambda p, x: model.apply(p, None, x), params, sample_inputs, model_parallel)
+  # The trainer's view of the model: a key for one that draws randomness, its state for
+  # an `hk.transform_with_state` one (imported here: the strategies import this module).
+  from parstrat._src.strategy import as_stateful  # noqa: PLC0415
+  from parstrat._src.strategy import outputs_fn  # noqa: PLC0415
+
+  stateful = as_stateful(model)
+  params, state = jax.eval_shape(stateful.init, jax.random.key(0), sample_inputs)
+  return analyse(outputs_fn(stateful, state), params, sample_inputs, model_parallel)

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from parstrat._src import jaxpr_calls
+
 _MARKER_NAME = "parstrat_stage_boundary"
 
 
@@ -145,23 +147,24 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   )
 
 
-#: Primitives that only wrap a computation (`jax.checkpoint`, which `hk.remat` uses, and
-#: `jax.jit`): their bodies are inlined before the model is cut, so a layer inside
-#: one is a layer like the others. Their values are the same either way; the
-#: pipeline's own `activations` policy decides what its stages keep.
-_CALLS = ("remat2", "checkpoint", "jit", "pjit", "closed_call", "core_call")
-
-
 def _call_body(eqn) -> jex.ClosedJaxpr | None:
-  """The body of a call-like equation `_CALLS` names (None for any other, and a marker)."""
-  if eqn.primitive.name not in _CALLS or "jaxpr" not in eqn.params or _is_marker(eqn):
+  """The body of a `jaxpr_calls.WRAPPERS` equation (None for any other, and a marker).
+
+  Those bodies (`jax.checkpoint`, which `hk.remat` uses, and `jax.jit`) are
+  inlined before the model is cut, so a layer inside one is a layer like the
+  others. Their values are the same either way; the pipeline's own
+  `activations` policy decides what its stages keep.
+  """
+  if eqn.primitive.name not in jaxpr_calls.WRAPPERS or "jaxpr" not in eqn.params:
+    return None
+  if _is_marker(eqn):
     return None
   body = eqn.params["jaxpr"]
   return body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ())
 
 
 def _eval_inlined(jaxpr, consts, *args) -> list[Any]:
-  """`jax.core.eval_jaxpr`, with the bodies of `_CALLS` equations evaluated in line."""
+  """`jax.core.eval_jaxpr`, with the bodies of `_call_body` equations evaluated in line."""
   env: dict[Any, Any] = {}
 
   def read(v):
