@@ -284,3 +284,30 @@ def test_tensor_split_plan_reads_models_with_randomness_or_state():
   for model in (hk.transform(dropout), hk.transform_with_state(running_mean)):
     plan = parstrat.tensor_split_plan(model, x, 2)
     assert len(plan.groups) == 1 and _dims(plan)["up/w"] == 1, str(plan)
+
+
+def _padded_attention(tokens):
+  length, width = tokens.shape[1], 32
+  x = hk.Embed(16, width)(tokens)
+  causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
+  mask = causal & (tokens != 0)[:, None, None, :]  # [B, 1, T, T]: broadcast over the heads
+  attention = hk.MultiHeadAttention(4, 8, w_init=hk.initializers.VarianceScaling(1.0))
+  h = attention(x, x, x, mask=mask)
+  return hk.Linear(10, name="head")(h.mean(axis=1))
+
+
+def test_attention_under_a_padding_mask_is_split_by_heads_and_matches_jit():
+  # The mask, broadcast to [B, H, T, T] before `select_n` masks the split scores,
+  # looked like an unsplit activation: the block stayed replicated.
+  model = hk.transform(_padded_attention)
+  plan = parstrat.tensor_split_plan(model, jnp.zeros((2, 6), jnp.int32), 2)
+  assert len(plan.groups) == 1 and _dims(plan)["multi_head_attention/query/w"] == 1, str(plan)
+  rng = np.random.default_rng(0)
+  batches = [
+    (rng.integers(0, 16, (8, 6)).astype(np.int32), rng.integers(0, 10, 8).astype(np.int32))
+    for _ in range(2)
+  ]
+  batches[0][0][:, :2] = 0  # padding
+  parstrat.testing.check_strategy(
+    parstrat.TensorParallel(model=2), model, [optax.sgd(0.1)], batches=batches
+  )

@@ -297,6 +297,10 @@ class _Analysis:
     self.uf = _UnionFind()
     self.groups: dict[int, _Group] = {}
     self.used_as_row: set[int] = set()
+    # var -> the axes along which it only repeats one value (broadcast there), so
+    # meeting a split along one of them needs nothing split (a padding mask
+    # broadcast over the heads before it masks the split attention scores).
+    self.uniform: dict[Any, frozenset[int]] = {}
 
   def group(self, v) -> _Group:
     return self.groups[self.uf.find(self.owner[v])]
@@ -325,8 +329,22 @@ class _Analysis:
     self.owner[out] = root
     self.groups[root].flops += flops
 
+  def _note_uniform(self, op: _Op) -> None:
+    if not op.outs or not op.ins or not _is_var(op.ins[0]):
+      return
+    x, out = op.ins[0], op.outs[0]
+    if op.prim == "broadcast_in_dim":
+      dims = op.params["broadcast_dimensions"]
+      axes = {k for k in range(len(out.aval.shape)) if k not in dims}
+      axes |= {dims[i] for i, n in enumerate(x.aval.shape) if n == 1}
+      axes |= {dims[i] for i in self.uniform.get(x, ())}
+      self.uniform[out] = frozenset(axes)
+    elif (op.prim in _UNARY or op.prim in _VIEW) and x in self.uniform:
+      self.uniform[out] = self.uniform[x]
+
   def run(self) -> None:
     for op in self.ops:
+      self._note_uniform(op)
       start = self.linear.get(id(op))
       if start is not None and start in self.columns and not self._split(op.ins[0]):
         out = op.outs[0]
@@ -384,6 +402,8 @@ class _Analysis:
           continue
         if v.aval.shape[d] == 1 and shape[d] != 1:
           continue  # an activation broadcast along the split axis (e.g. a norm's scale)
+        if d in self.uniform.get(v, ()):
+          continue  # broadcast along it beforehand (e.g. a padding mask over the heads)
         return self.fail(
           root, f"{what} combines it with an unsplit activation (e.g. a residual connection)"
         )
