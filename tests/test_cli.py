@@ -80,6 +80,21 @@ def test_schedule_draws_a_png(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path):
+  # `parstrat schedule ... --csv X | head`: printing first lost the CSV to a traceback.
+  csv = tmp_path / "s.csv"
+  with subprocess.Popen(
+    [sys.executable, "-m", "parstrat", "schedule", "--stages", "4", "--microbatches", "8",
+     "--schedule", "1f1b", "--csv", str(csv)],
+    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+  ) as process:  # fmt: skip
+    process.stdout.close()  # the reader is gone before the first line
+    err = process.stderr.read().decode()
+    code = process.wait(timeout=300)
+  assert code == 141 and err == ""  # no traceback, no "Exception ignored" at exit
+  assert csv.read_text().splitlines()[0].startswith("0F0,0F1,0F2,0F3,")
+
+
 @pytest.mark.parametrize(
   "args, message",
   [

@@ -188,6 +188,28 @@ def test_resume_with_another_model_is_one_line_and_leaves_the_metrics(tmp_path):
   assert (ckpt / "metrics.jsonl").read_bytes() == before
 
 
+def test_resume_with_another_optimizer_is_refused_in_one_line_naming_the_change(tmp_path, capsys):
+  # --allow-config-change used to restore first and fail on the optimizer state's tree,
+  # blaming "this model"; a change orbax cannot restore into is now named as such.
+  ckpt = tmp_path / "ck"
+  flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--optimizer", "sgd", "--lr", "0.1"]
+  assert cli.main([*flags, "--steps", "2"]) == 0
+  before = (ckpt / "metrics.jsonl").read_bytes()
+  capsys.readouterr()
+  resume = [*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "4", "--resume", "--lr", "0.1"]
+  assert cli.main([*resume, "--optimizer", "adamw"]) == 2  # refused before any array is read
+  err = _one_line(capsys.readouterr().err)
+  assert "another configuration (optimizer sgd -> adamw)" in err
+  assert cli.main([*resume, "--optimizer", "adamw", "--allow-config-change"]) == 2
+  err = _one_line(capsys.readouterr().err)
+  assert "fits this model's params but not this trainer's optimizer" in err
+  assert "This run changes optimizer sgd -> adamw" in err and "cannot be resumed" in err
+  assert (ckpt / "metrics.jsonl").read_bytes() == before
+  # A change that keeps the state's layout continues.
+  assert cli.main([*resume, "--optimizer", "sgd", "--lr", "0.05", "--allow-config-change"]) == 0
+  assert "resuming with a changed configuration: lr 0.1 -> 0.05" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ checkpoint integrity
 
 

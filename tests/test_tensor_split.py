@@ -212,6 +212,27 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   assert problems[1].startswith("all-reduce across")
 
 
+def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids():
+  # XLA leaves device_ids out when the devices are 0, 1, ... in order: such a line was
+  # "unreadable", and Hybrid(data=1, stage=1, model=2) refused every step as a hang.
+  line = "  %{name} = f32[16,32]{{1,0}} all-reduce(%p), channel_id={id}, replica_groups=mesh[{mesh}]{ids} {{{over}}}, use_global_device_ids=true, to_apply=%add"  # noqa: E501
+  body = [
+    line.format(name="plain", id=1, mesh="'axis_0'=1,'axis_1'=2", ids="", over="'axis_1'"),
+    line.format(name="listed", id=2, mesh="'a'=2,'b'=2", ids=", device_ids=(3,2,1,0)", over="'a'"),
+    line.format(name="iota", id=3, mesh="'a'=2,'b'=2", over="'b'",
+                ids=", device_ids=([4]<=[2,2]T(1,0))"),
+  ]  # fmt: skip
+  text = (
+    "HloModule m\n\n%branch (p: f32[16,32]) -> f32[16,32] {\n  %p = f32[16,32]{1,0} parameter(0)\n"
+  )
+  text += "\n".join(body) + "\n}\n\nENTRY %main (i: s32[], x: f32[16,32]) -> f32[16,32] {\n"
+  text += "  ROOT %c = f32[16,32]{1,0} conditional(%i, %x), branch_computations={%branch}\n}\n"
+  found = {c.name: c.groups for c in hlo_check.branch_collectives(text)}
+  assert found == {"plain": ((0, 1),), "listed": ((3, 1), (2, 0)), "iota": ((0, 2), (1, 3))}
+  two = jax.make_mesh((1, 1, 2), ("data", "stage", "model"), devices=jax.devices()[:2])
+  assert hlo_check.branch_problems(text.replace(body[1], "").replace(body[2], ""), two) == []
+
+
 def test_a_marker_followed_by_a_parameter_free_op_cuts_before_the_next_layer():
   def net(x):
     x = jax.nn.swish(hk.Linear(16)(x))

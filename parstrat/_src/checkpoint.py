@@ -164,6 +164,22 @@ class Checkpointer:
         _write_manifest(self._step_dir(step))
     return saved
 
+  def metadata(self, step: int | None = None) -> dict[str, Any]:
+    """The JSON `meta` saved with checkpoint `step` (default: the newest), read alone.
+
+    Raises:
+      FileNotFoundError: if there is no checkpoint.
+      CheckpointError: if the metadata cannot be read.
+    """
+    step = self.latest_step() if step is None else int(step)
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds
+      raise CheckpointError(f"Checkpoint step {step} has unreadable metadata: {e}") from None
+    return dict(restored["meta"])
+
   def _step_dir(self, step: int) -> pathlib.Path:
     return self.directory / str(step)
 
@@ -261,9 +277,16 @@ class Checkpointer:
     # The params first: a different model is best named by its first layer.
     mismatch = trees.first_mismatch(
       {"params": saved.tree.get("params")}, {"params": template["params"]}
-    ) or trees.first_mismatch(saved.tree, template)
+    )
     if mismatch is not None:
       raise _DoesNotFit(f"The checkpoint at step {step} does not fit this model: {mismatch}.")
+    mismatch = trees.first_mismatch(saved.tree, template)
+    if mismatch is not None:
+      what = "optimizer" if mismatch.startswith("opt_state") else "training state"
+      raise _DoesNotFit(
+        f"The checkpoint at step {step} fits this model's params but not this trainer's "
+        f"{what} (another optimizer, clipping or weight decay?): {mismatch}."
+      )
     return self._manager.restore(
       step,
       args=ocp.args.Composite(

@@ -320,7 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_true",
     help="stop at a NaN/inf loss or gradient (default: skip that update and count it)",
   )
-  train.add_argument("--metrics", default=None, help="write per-step metrics to this JSONL file")
+  train.add_argument(
+    "--metrics",
+    default=None,
+    help="write per-step metrics to this JSONL file (with --compare, one file per strategy: "
+    "m.jsonl -> m.data_parallel.jsonl, ...)",
+  )
   train.add_argument(
     "--out",
     default=None,
@@ -516,6 +521,27 @@ def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
   return guarded, [text for key, text in changes.items() if key not in GUARDED]
 
 
+def _resumable_changes(args, meta: dict, data) -> list[str]:
+  """The changes from a checkpoint's run to this one that `--resume` accepts.
+
+  Raises:
+    UsageError: for another seed or batch size (the data order would differ),
+      or a guarded change (`GUARDED`) without `--allow-config-change`.
+  """
+  if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
+    raise UsageError(
+      f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
+      f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
+    )
+  guarded, other = _config_changes(meta.get("config", {}), _run_config(args, data))
+  if guarded and not args.allow_config_change:
+    raise UsageError(
+      f"--resume: the checkpoint was written with another configuration ({', '.join(guarded)});"
+      " pass --allow-config-change to continue with the new one"
+    )
+  return guarded + other
+
+
 def _open_checkpoints(args, strategy, trainer, say, data):
   """The run's `Checkpointer`, and for `--resume` the restored state and its metadata.
 
@@ -544,27 +570,29 @@ def _open_checkpoints(args, strategy, trainer, say, data):
       return ckpt, None, None
     if ckpt.latest_step() is None:
       raise UsageError(f"--resume: no checkpoint in {directory}")
+    try:  # the run's configuration is checked before any array is read
+      changes = _resumable_changes(args, ckpt.metadata(), data)
+    except CheckpointError:  # a damaged newest checkpoint: restore falls back past it
+      changes = None
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
       try:
         state, meta = ckpt.restore(trainer)
       except (ValueError, CheckpointError) as e:
-        raise UsageError(f"--resume: {e}") from None
+        hint = ""
+        if changes and "optimizer" in str(e):
+          hint = (
+            f" This run changes {', '.join(changes)}: a change that gives the optimizer "
+            "state another layout (another --optimizer, clipping on or off, weight decay "
+            "on or off, a schedule for a constant rate) cannot be resumed; resume with the "
+            "saved values, or start a new run"
+          )
+        raise UsageError(f"--resume: {e}{hint}") from None
     for warning in caught:
       say(f"warning: {warning.message}")
-    if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
-      raise UsageError(
-        f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
-        f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
-      )
-    guarded, other = _config_changes(meta.get("config", {}), _run_config(args, data))
-    if guarded and not args.allow_config_change:
-      raise UsageError(
-        f"--resume: the checkpoint was written with another configuration ({', '.join(guarded)});"
-        " pass --allow-config-change to continue with the new one"
-      )
-    if guarded or other:
-      say(f"resuming with a changed configuration: {', '.join(guarded + other)}")
+    changes = _resumable_changes(args, meta, data)
+    if changes:
+      say(f"resuming with a changed configuration: {', '.join(changes)}")
     return ckpt, state, meta
   except BaseException:
     ckpt.close()
@@ -677,6 +705,9 @@ def train(args: argparse.Namespace) -> dict:
   runs = {}
   for name, strategy in strategies.items():
     metrics_path = args.metrics
+    if args.compare and metrics_path is not None:  # m.jsonl -> m.data_parallel.jsonl, ...
+      given = pathlib.Path(metrics_path)
+      metrics_path = given.with_name(f"{given.stem}.{name}{given.suffix}")
     run_dir = None
     if out is not None:
       run_dir = out / name if args.compare else out
@@ -777,7 +808,7 @@ def _train_one(
       accumulate=args.accumulate,
     )
     sample = data.sample_inputs((model_options or {}).get("model_inputs"))
-    state = trainer.init(jax.random.key(args.seed), sample)
+    state = trainer.init(jax.random.key(args.seed), sample, sample_batch=data.example)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
   try:
@@ -831,7 +862,11 @@ def _train_one(
   def evaluate(epoch: int) -> float | None:
     if data.eval_batches is None:
       return None
-    accuracy = run_data.eval_accuracy(trainer, state, data.eval_batches(), args.batch_size, rows)
+    # A dropout model's eval key: the same for a step on every run, and not a training key.
+    rng = jax.random.fold_in(jax.random.key(args.seed + 1), step)
+    accuracy = run_data.eval_accuracy(
+      trainer, state, data.eval_batches(), args.batch_size, rows, rng=rng
+    )
     if accuracy is not None:
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
     return accuracy
@@ -992,6 +1027,25 @@ def schedule(args: argparse.Namespace) -> None:
     )
   except ValueError as e:
     raise UsageError(str(e)) from None
+  # The files first: a reader that stops early (`| head`) must not cost them.
+  wrote = []
+  if args.out:
+    from parstrat._src.pipeline import drawing
+
+    try:
+      drawing.draw_schedule(table, args.out)
+    except OSError as e:
+      raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
+    wrote.append(args.out)
+  if args.csv:
+    from parstrat._src.pipeline import schedule_csv
+
+    try:
+      with open(args.csv, "w", encoding="utf-8") as f:
+        f.write(schedule_csv.to_csv(table))
+    except OSError as e:
+      raise UsageError(f"cannot write {args.csv}: {e.strerror or e}") from None
+    wrote.append(args.csv)
   print(table)
   formula = schedule_lib.THEORY[table.name][0]
   print(
@@ -1004,23 +1058,8 @@ def schedule(args: argparse.Namespace) -> None:
     f"stage: {table.lockstep_time('recompute'):g} recomputing activations, "
     f"{table.lockstep_time('save'):g} saving them"
   )
-  if args.out:
-    from parstrat._src.pipeline import drawing
-
-    try:
-      drawing.draw_schedule(table, args.out)
-    except OSError as e:
-      raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
-    print(f"wrote {args.out}")
-  if args.csv:
-    from parstrat._src.pipeline import schedule_csv
-
-    try:
-      with open(args.csv, "w", encoding="utf-8") as f:
-        f.write(schedule_csv.to_csv(table))
-    except OSError as e:
-      raise UsageError(f"cannot write {args.csv}: {e.strerror or e}") from None
-    print(f"wrote {args.csv}")
+  for path in wrote:
+    print(f"wrote {path}")
 
 
 def list_strategies() -> None:
@@ -1047,10 +1086,16 @@ def main(argv: Sequence[str] | None = None) -> int:
       schedule(args)
     elif args.command == "list":
       list_strategies()
+    sys.stdout.flush()  # inside the try: a closed pipe is found here, not at exit
   except UsageError as e:
     print(f"parstrat {args.command}: error: {e}", file=sys.stderr)
     return 2
   except TrainingError as e:
     print(f"parstrat {args.command}: stopped: {e}", file=sys.stderr)
     return 1
+  except BrokenPipeError:  # `parstrat ... | head`: the reader left; no traceback
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own advice
+    return 141  # 128 + SIGPIPE, as a shell reports a command its pipe ended
   return 0

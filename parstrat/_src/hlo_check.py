@@ -49,7 +49,9 @@ class Collective:
 
 
 def _iota(text: str) -> np.ndarray | None:
-  """`[4,2]<=[8]` or `[2,4]<=[4,2]T(1,0)` -> the array of device ids."""
+  """`[4,2]<=[8]`, `[2,4]<=[4,2]T(1,0)` or a plain `3,2,1,0` -> the array of device ids."""
+  if re.fullmatch(r"\d+(?:,\d+)*", text.strip()):
+    return np.array([int(x) for x in text.split(",")])
   m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
   if not m:
     return None
@@ -77,11 +79,14 @@ def _groups(line: str, kind: str) -> tuple[tuple[int, ...], ...] | None:  # noqa
   if m:
     ids = _iota(m.group(1))
     return None if ids is None else tuple(tuple(int(x) for x in row) for row in ids)
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\],\s*device_ids=\(([^)]*\)?)\)\s*\{([^}]*)\}", line)
+  # `device_ids=(...)` is left out when the mesh's devices are 0, 1, ... in order.
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", line
+  )
   if m:
     sizes = [int(s) for s in re.findall(r"=(\d+)", m.group(1))]
     names = re.findall(r"'([^']+)'=", m.group(1))
-    ids = _iota(m.group(2))
+    ids = np.arange(int(np.prod(sizes))) if m.group(2) is None else _iota(m.group(2))
     across = re.findall(r"'([^']+)'", m.group(3))
     if ids is None or ids.size != int(np.prod(sizes)) or not set(across) <= set(names):
       return None

@@ -214,7 +214,9 @@ def load(
   return from_tfds(spec, data_dir=data_dir, batch_size=batch_size, seed=seed)
 
 
-def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows) -> float | None:
+def eval_accuracy(
+  trainer, state, batches: Iterable[Any], batch_size: int, rows, rng=None
+) -> float | None:
   """Top-1 accuracy over `(inputs, labels)` batches of any size, computed with `trainer.apply`.
 
   Every label counts once: with `[B]` labels it is the share of examples, with
@@ -223,6 +225,9 @@ def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows)
   zeros (padding is not counted). With several processes, each passes its own
   `rows` and the outputs are gathered.
 
+  A model that draws randomness (`hk.next_rng_key()`, as dropout does) is
+  evaluated as it trains, with a key folded from `rng` for each piece.
+
   Returns:
     The accuracy, or None when the batches are not `(inputs, labels)` pairs
     whose integer labels match the outputs' leading shape.
@@ -230,7 +235,7 @@ def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows)
   import jax
   from jax.experimental import multihost_utils
 
-  correct = total = 0
+  correct = total = pieces = 0
   for batch in batches:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
       return None
@@ -247,7 +252,12 @@ def eval_accuracy(trainer, state, batches: Iterable[Any], batch_size: int, rows)
           x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
         return x[rows]
 
-      outputs = trainer.apply(state, jax.tree.map(piece, inputs))
+      x = jax.tree.map(piece, inputs)
+      if getattr(trainer, "uses_rng", False):  # dropout: a key of its own per piece
+        outputs = trainer.apply(state, x, rng=jax.random.fold_in(rng, pieces))
+      else:
+        outputs = trainer.apply(state, x)
+      pieces += 1
       outputs = np.asarray(multihost_utils.process_allgather(outputs, tiled=True))[:n]
       if outputs.shape[:-1] != y.shape:
         return None
