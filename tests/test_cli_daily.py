@@ -404,6 +404,22 @@ def test_compare_with_a_metrics_file_writes_one_file_per_strategy(tmp_path, monk
   assert not (tmp_path / "m.jsonl").exists()
 
 
+def test_a_config_files_strategy_options_give_way_to_another_strategy(
+  tmp_path, monkeypatch, capsys
+):
+  # The README's run.toml (hybrid, stages = 2) with `--strategy fsdp` failed: "Strategy
+  # 'fsdp' has no option 'stages'". The file's options that fsdp lacks are now named and
+  # left out; the same option given on the command line is still refused by name.
+  (tmp_path / "run.toml").write_text('strategy = "hybrid"\ndata-parallel = 2\nstages = 2\n')
+  run = ["--config", "run.toml", "--model-fn", "mymodel:model", "--dataset", "mymodel:data"]
+  assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--devices", "4") == 0
+  out = capsys.readouterr().out
+  assert "run.toml: not used by fsdp (it takes no such option): stages = 2" in out
+  assert "mesh: {'data': 2}" in out  # data-parallel = 2 from the file: fsdp takes it
+  assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--stages", "2") == 2
+  assert "Strategy 'fsdp' has no option 'stages'" in capsys.readouterr().err
+
+
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():
   class OneHotOfInputs:  # a "trainer" whose outputs predict each input token itself
     def apply(self, state, tokens):

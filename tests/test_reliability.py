@@ -6,8 +6,10 @@ Each test is one row of the README's reliability table.
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import haiku as hk
@@ -168,6 +170,39 @@ def test_cli_a_cosine_schedule_resumes_on_its_own_length(tmp_path, capsys):
   assert "written with another configuration (schedule_steps 3 -> 6)" in err
   assert cli.main([*leg, "--steps", "6", "--resume", "--allow-config-change"]) == 0
   assert "changed configuration: schedule_steps 3 -> 6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_after_the_step_saves_and_resumes(tmp_path, signum):
+  # Ctrl-C (or a preemption's SIGTERM) used to end in a traceback, with no checkpoint
+  # of the steps since the last one and orbax's temporary folder left behind.
+  ckpt = tmp_path / "ck"
+  flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--save-every", "1000", "--epochs", "50"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+  with subprocess.Popen(
+    [sys.executable, "-m", "parstrat", *flags], stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+  ) as process:  # fmt: skip
+    metrics = ckpt / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+      assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+      time.sleep(0.05)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=240)
+  assert process.returncode == 128 + signum, err
+  name = signal.Signals(signum).name
+  line = _one_line(err)
+  step = int(re.search(rf"interrupted: {name} at step (\d+), after the step", line).group(1))
+  assert f"checkpoint saved in {ckpt}; continue with --resume" in line
+  assert f"{name}: stopping after this step" in out
+  saved = [p.name for p in ckpt.iterdir() if not p.name.startswith(("metrics", "events"))]
+  assert saved == [str(step)]  # that step, and no orbax temporary folder
+  assert _steps(metrics)[-1] == step  # the last steps are logged too
+  with Checkpointer(ckpt) as saved:
+    assert saved.verify(step) is None
+  assert cli.main([*flags, "--steps", str(step + 2), "--resume"]) == 0
+  assert _steps(metrics) == list(range(1, step + 3))
 
 
 def test_resume_with_another_model_is_one_line_and_leaves_the_metrics(tmp_path):

@@ -30,6 +30,58 @@ class TrainingError(Exception):
   """Training cannot go on (e.g. non-finite numbers); one line, exit code 1."""
 
 
+class Interrupted(Exception):
+  """Training stopped on SIGINT or SIGTERM, after its step; exit code 128 + the signal."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.signum = signum
+
+
+class _StopRequests:
+  """Turns the first SIGINT (Ctrl-C) or SIGTERM into a request to stop after the step.
+
+  The step in flight finishes, and the run saves and closes as at its end; a
+  second signal stops at once (the default handlers are back). In the main
+  thread of a single process only: elsewhere the signals keep their defaults
+  (one process of several cannot stop alone without hanging the others).
+  """
+
+  def __init__(self, say):
+    self.signum = None
+    self._say = say
+    self._previous = {}
+
+  def install(self) -> _StopRequests:
+    import signal
+    import threading
+
+    import jax
+
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+      for signum in (signal.SIGINT, signal.SIGTERM):
+        self._previous[signum] = signal.signal(signum, self._request)
+    return self
+
+  def _request(self, signum, frame) -> None:
+    import signal
+
+    self.signum = signum
+    self.close()
+    self._say(
+      f"\n{signal.Signals(signum).name}: stopping after this step (again to stop at once)",
+      flush=True,
+    )
+
+  def close(self) -> None:
+    """Gives the signals back their previous handlers."""
+    import signal
+
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
+
+
 def _positive(text: str) -> int:
   try:
     value = int(text)
@@ -405,7 +457,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   except config.ConfigError as e:
     raise UsageError(str(e)) from None
   at = argv.index("train") + 1
-  return parser.parse_args([*argv[:at], *tokens, *argv[at:]])
+  merged = parser.parse_args([*argv[:at], *tokens, *argv[at:]])
+  # What only the file set: a strategy named on the command line may not take it.
+  merged.from_config = {k for k, v in vars(merged).items() if getattr(args, k, None) != v}
+  return merged
 
 
 def _setup_devices(count: int) -> None:
@@ -418,8 +473,16 @@ def _setup_devices(count: int) -> None:
     pass  # the backend already runs (parstrat called from Python): use its devices
 
 
-def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> dict:
-  """The strategy flags given on the command line; with --compare, only those it takes."""
+def _strategy_config(
+  args: argparse.Namespace, name: str, *, compare: bool
+) -> tuple[dict, list[str]]:
+  """The strategy flags given, and those left out: the ones it does not take.
+
+  A flag the strategy does not take is left out with --compare (each strategy
+  takes what it understands) or when only the --config file set it (a file
+  written for `hybrid` also serves `--strategy fsdp`); given on the command
+  line, it reaches the strategy, which refuses it by name.
+  """
   import dataclasses
 
   import parstrat
@@ -435,11 +498,15 @@ def _strategy_config(args: argparse.Namespace, name: str, *, compare: bool) -> d
   if parstrat._src.registry.lookup(name).deferred:  # "auto" measures the real batch
     config = {k: v for k, v in config.items() if k == "memory_budget"}
     config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
-  if compare:
-    cls = parstrat._src.registry.lookup(name)
-    options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    config = {k: v for k, v in config.items() if k in options}
-  return config
+  cls = parstrat._src.registry.lookup(name)
+  options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+  from_config = getattr(args, "from_config", set())
+  unused = [k for k in config if k not in options and (compare or k in from_config)]
+  flags = {"data": "data-parallel", "model": "tensor-parallel"}
+  return (
+    {k: v for k, v in config.items() if k not in unused},
+    [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
+  )
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -671,9 +738,10 @@ def train(args: argparse.Namespace) -> dict:
   strategies = {}
   for name in names:
     try:
-      strategies[name] = parstrat.get(
-        name, devices=devices, **_strategy_config(args, name, compare=bool(args.compare))
-      )
+      options, unused = _strategy_config(args, name, compare=bool(args.compare))
+      if unused and not args.compare:
+        say(f"{args.config}: not used by {name} (it takes no such option): {', '.join(unused)}")
+      strategies[name] = parstrat.get(name, devices=devices, **options)
       if not strategies[name].deferred:  # fail on an impossible mesh before loading data
         strategies[name].make_mesh()
     except KeyError as e:
@@ -908,6 +976,7 @@ def _train_one(
 
   epoch = first_epoch
   batch_in_epoch = skip_batches
+  stop = _StopRequests(say).install()
   try:
     for epoch in range(first_epoch, args.epochs):
       if args.steps is not None and step >= args.steps:
@@ -971,6 +1040,10 @@ def _train_one(
             say(f"step {step}: eval accuracy {accuracy:.4f}")
         if args.steps is not None and step >= args.steps:
           break
+        if stop.signum is not None:
+          break
+      if stop.signum is not None:
+        break
       if step == epoch_start_step:  # e.g. a generator, exhausted by the previous epoch
         say(f"epoch {epoch + 1}: the train data had no batches left; stopping")
         break
@@ -991,6 +1064,7 @@ def _train_one(
     if ckpt is not None:
       ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
   finally:
+    stop.close()
     try:
       history.close()  # may raise (a full disk), the checkpointer closes anyway
     finally:
@@ -998,6 +1072,14 @@ def _train_one(
         ckpt.close()
       if board is not None:
         board.close()
+  if stop.signum is not None:
+    import signal
+
+    saved = (f"checkpoint saved in {ckpt.directory}; continue with --resume"
+             if ckpt is not None else "nothing saved (no --checkpoint-dir)")  # fmt: skip
+    raise Interrupted(
+      f"{signal.Signals(stop.signum).name} at step {step}, after the step: {saved}", stop.signum
+    )
   if accuracy is not None:
     say(f"eval accuracy: {accuracy:.4f} ({data.description})")
   platform = trainer.mesh.devices.flat[0].platform
@@ -1093,6 +1175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except TrainingError as e:
     print(f"parstrat {args.command}: stopped: {e}", file=sys.stderr)
     return 1
+  except Interrupted as e:
+    print(f"parstrat {args.command}: interrupted: {e}", file=sys.stderr)
+    return 128 + e.signum
   except BrokenPipeError:  # `parstrat ... | head`: the reader left; no traceback
     import os
 
