@@ -205,6 +205,20 @@ def test_ctrl_c_or_sigterm_stops_after_the_step_saves_and_resumes(tmp_path, sign
   assert _steps(metrics) == list(range(1, step + 3))
 
 
+def test_a_fresh_run_into_a_used_out_is_refused_and_overwrite_clears_its_curves(tmp_path):
+  # A fresh run into the same --out silently replaced metrics.jsonl, and --overwrite
+  # left the old run's TensorBoard event files beside the new ones (two runs, one chart).
+  out = tmp_path / "run"
+  assert cli.main([*TRAIN, "--out", str(out), "--steps", "3"]) == 0
+  before = (out / "metrics.jsonl").read_bytes()
+  assert cli.main([*TRAIN, "--out", str(out), "--steps", "2"]) == 2
+  assert (out / "metrics.jsonl").read_bytes() == before
+  assert cli.main([*TRAIN, "--out", str(out), "--steps", "2", "--overwrite"]) == 0
+  assert _steps(out / "metrics.jsonl") == [1, 2]
+  events = list(out.glob("events.out.tfevents.*"))
+  assert len(events) == 1 and events[0].stat().st_size > 0
+
+
 def test_resume_with_another_model_is_one_line_and_leaves_the_metrics(tmp_path):
   ckpt = tmp_path / "ck"
   assert cli.main([*TRAIN, "--checkpoint-dir", str(ckpt), "--steps", "3"]) == 0
@@ -537,6 +551,8 @@ def test_a_donated_or_foreign_state_is_refused_before_jax_sees_it(trainer):
      "run?): pass --resume to continue it or --overwrite to start afresh"),
     (["--checkpoint-dir", "{tmp}/used", "--resume", "--overwrite"], "pick one"),
     (["--out", "{tmp}/file"], "--out {tmp}/file is a file, not a directory"),
+    (["--out", "{tmp}/ran"], "--out {tmp}/ran holds another run ({tmp}/ran/metrics.jsonl): "
+     "pass --overwrite to replace it"),
     (["--metrics", "{tmp}/missing/m.jsonl"], "the directory {tmp}/missing does not exist"),
     (["--metrics", "{tmp}"], "--metrics {tmp} is a directory"),
   ],
@@ -545,6 +561,8 @@ def test_file_system_problems_are_one_line_before_anything_runs(tmp_path, flags,
   (tmp_path / "file").write_text("x")
   (tmp_path / "used").mkdir()
   (tmp_path / "used" / "10").mkdir()
+  (tmp_path / "ran").mkdir()
+  (tmp_path / "ran" / "metrics.jsonl").write_text("")
   flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
   assert cli.main([*TRAIN, *flags]) == 2
   captured = capsys.readouterr()

@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--overwrite",
     action="store_true",
-    help="start afresh in a --checkpoint-dir that is not empty (its checkpoints are deleted)",
+    help="start afresh in a --checkpoint-dir that is not empty (its checkpoints are deleted) "
+    "or an --out that holds another run (its metrics and event files are replaced)",
   )
   train.add_argument(
     "--allow-config-change",
@@ -509,6 +510,19 @@ def _strategy_config(
   )
 
 
+def _previous_run(out: pathlib.Path, compare: str | None) -> str | None:
+  """What of an earlier run `--out` holds (its metrics or event files), or None."""
+  from parstrat._src import tensorboard_log
+
+  directories = [out] + [out / n.strip() for n in compare.split(",")] if compare else [out]
+  for directory in directories:
+    if (directory / "metrics.jsonl").is_file():
+      return str(directory / "metrics.jsonl")
+    if any(directory.glob(f"{tensorboard_log.PREFIX}*")):
+      return f"TensorBoard event files in {directory}"
+  return None
+
+
 def _check_paths(args: argparse.Namespace) -> None:
   """Finds the file-system problems of `train`'s flags before anything is loaded or trained.
 
@@ -520,6 +534,8 @@ def _check_paths(args: argparse.Namespace) -> None:
   """
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
+  if given == ["--overwrite"] and args.out is not None:
+    given = []  # --overwrite replaces the run in --out
   if args.checkpoint_dir is None and given:
     raise UsageError(f"{given[0]} needs --checkpoint-dir")
   if args.resume and args.overwrite:
@@ -534,6 +550,12 @@ def _check_paths(args: argparse.Namespace) -> None:
       )
   if args.out is not None:
     _check_writable_dir(pathlib.Path(args.out), "--out")
+    previous = _previous_run(pathlib.Path(args.out), args.compare)
+    if previous and not (args.resume or args.overwrite):
+      raise UsageError(
+        f"--out {args.out} holds another run ({previous}): pass --overwrite to replace it"
+        + (" or --resume to continue it" if args.checkpoint_dir else "")
+      )
   if args.metrics is not None:
     path = pathlib.Path(args.metrics)
     if path.is_dir():
@@ -920,6 +942,9 @@ def _train_one(
   records = history.records
   # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
   purge = None if resume_step is None else resume_step + 1
+  if args.overwrite and log_dir is not None:  # the old run's curves go with it
+    for old in pathlib.Path(log_dir).glob(f"{tensorboard_log.PREFIX}*"):
+      old.unlink()
   board = tensorboard_log.ScalarWriter(log_dir, purge) if log_dir is not None else None
 
   def record(row: dict) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Mapping
 
+#: How the event files' names start (tensorboardX's and TensorFlow's naming).
+PREFIX = "events.out.tfevents."
+
 #: metric key in metrics.jsonl -> TensorBoard tag.
 TAGS = {
   "loss": "train/loss",
