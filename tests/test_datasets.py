@@ -70,6 +70,42 @@ def test_auto_falls_back_when_the_download_fails(monkeypatch, tmp_path):
   assert "download through tensorflow-datasets failed (ConnectionError)" in lines[0]
 
 
+def test_source_tfds_offline_fails_at_once_in_one_line(monkeypatch, tmp_path):
+  # tfds retried its download for minutes, then raised a traceback.
+  import time
+
+  from parstrat._src import cli
+
+  monkeypatch.setattr(datasets, "_download_host", lambda: "storage.parstrat.invalid")
+  start = time.monotonic()
+  with pytest.raises(ValueError, match=f"MNIST is not prepared in {tmp_path} and its download "
+                     "host storage.parstrat.invalid does not answer; use source 'sample'"):  # fmt: skip
+    datasets.load_mnist("tfds", data_dir=str(tmp_path))
+  assert time.monotonic() - start < 30  # the 3 s lookup, not tfds's retries
+
+  def fail(*args, **kwargs):
+    raise ConnectionError("no route\nmore lines")
+
+  monkeypatch.setattr(datasets, "_resolves", lambda host, timeout: True)
+  monkeypatch.setattr(datasets, "load_tfds", fail)
+  with pytest.raises(ValueError, match=r"the MNIST download failed \(ConnectionError: no route\)$"):
+    datasets.load_mnist("tfds", data_dir=str(tmp_path))
+  args = ["train", "--source", "tfds", "--data-dir", str(tmp_path), "--steps", "1"]
+  assert cli.main(args) == 2
+
+
+def test_an_unknown_tfds_name_is_one_line_with_a_suggestion(capsys):
+  # tfds's own message lists every dataset it knows: hundreds of lines.
+  from parstrat._src import cli
+
+  assert cli.main(["train", "--dataset", "fashion_mnistt", "--steps", "1"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == (
+    "parstrat train: error: --dataset 'fashion_mnistt': tensorflow-datasets has no such "
+    "dataset; did you mean 'fashion_mnist'? (or give module:function)"
+  )
+
+
 def test_unknown_source():
   with pytest.raises(ValueError, match="Unknown MNIST source 'mnist2'"):
     datasets.load_mnist("mnist2")

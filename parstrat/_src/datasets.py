@@ -141,20 +141,23 @@ def _download_host() -> str | None:
 def _resolves(host: str | None, timeout: float) -> bool:
   if not host:
     return False
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    future = pool.submit(socket.getaddrinfo, host, 443)
-    try:
-      future.result(timeout=timeout)
-      return True
-    except Exception:  # noqa: BLE001 - unresolvable or slow: offline
-      return False
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  future = pool.submit(socket.getaddrinfo, host, 443)
+  try:
+    future.result(timeout=timeout)
+    return True
+  except Exception:  # noqa: BLE001 - unresolvable or slow: offline
+    return False
+  finally:
+    pool.shutdown(wait=False)  # a lookup that hangs must not hold the caller past `timeout`
 
 
 def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) -> Dataset:
   """Loads MNIST from tensorflow-datasets, or the bundled sample.
 
   Args:
-    source: "tfds" (download if needed; fail if impossible), "sample" (the
+    source: "tfds" (download if needed; fail at once, in one line, when the
+      dataset is not prepared and its download host does not answer), "sample" (the
       bundled 10,000 official test images, split 8,000 / 2,000) or "auto":
       tfds when the dataset is already prepared or its download host answers
       within 3 s, else the sample, saying so in one line.
@@ -165,14 +168,31 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
     The `Dataset`.
 
   Raises:
-    ValueError: for an unknown `source`.
+    ValueError: for an unknown `source`, or `source="tfds"` when MNIST can be
+      neither read nor downloaded.
   """
   if source not in SOURCES:
     raise ValueError(f"Unknown MNIST source {source!r}; choose one of {SOURCES}.")
   if source == "sample":
     return load_sample()
   if source == "tfds":
-    return load_tfds(data_dir)
+    if _tfds_prepared(data_dir):
+      return load_tfds(data_dir, download=False)
+    host = _download_host()
+    if not _resolves(host, timeout=3.0):  # tfds would retry for minutes, then fail
+      where = data_dir or "the default tfds data directory"
+      raise ValueError(
+        f"source 'tfds': MNIST is not prepared in {where} and "
+        f"its download host {host} does not answer; use source 'sample' (the bundled 10,000 "
+        "images) or 'auto'"
+      )
+    try:
+      return load_tfds(data_dir)
+    except Exception as e:  # noqa: BLE001 - tfds and its downloads raise many kinds
+      first = (str(e).strip().splitlines() or [""])[0][:200]
+      raise ValueError(
+        f"source 'tfds': the MNIST download failed ({type(e).__name__}: {first})"
+      ) from e
   if _tfds_prepared(data_dir):
     return load_tfds(data_dir, download=False)
   if _resolves(_download_host(), timeout=3.0):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -106,8 +107,18 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
 
   try:
     train = tfds.data_source(name, split="train", data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError as e:
+    # Its message lists every dataset tfds knows (hundreds of lines): keep one close name.
+    known = re.findall(r"^\s*-\s*(\S+)\s*$", str(e), flags=re.MULTILINE)
+    raise ValueError(
+      f"--dataset {name!r}: tensorflow-datasets has no such dataset"
+      f"{config.did_you_mean(name, known)} (or give module:function)"
+    ) from None
   except Exception as e:  # noqa: BLE001 - tfds raises many kinds; name it in one line
-    raise ValueError(f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {e})") from e
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    raise ValueError(
+      f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {first})"
+    ) from e
   info = train.dataset_info
   keys = info.supervised_keys
   if not keys or len(keys) != 2 or not all(isinstance(k, str) for k in keys):
