@@ -78,8 +78,8 @@ def test_source_tfds_offline_fails_at_once_in_one_line(monkeypatch, tmp_path):
 
   monkeypatch.setattr(datasets, "_download_host", lambda: "storage.parstrat.invalid")
   start = time.monotonic()
-  with pytest.raises(ValueError, match=f"MNIST is not prepared in {tmp_path} and its download "
-                     "host storage.parstrat.invalid does not answer; use source 'sample'"):  # fmt: skip
+  message = f"MNIST is not prepared in {tmp_path} and its download host storage.parstrat.invalid"
+  with pytest.raises(ValueError, match=message + " does not answer; use source 'sample'"):
     datasets.load_mnist("tfds", data_dir=str(tmp_path))
   assert time.monotonic() - start < 30  # the 3 s lookup, not tfds's retries
 

@@ -152,6 +152,27 @@ def _resolves(host: str | None, timeout: float) -> bool:
     pool.shutdown(wait=False)  # a lookup that hangs must not hold the caller past `timeout`
 
 
+def _tfds_or_one_line(data_dir: str | None) -> Dataset:
+  """`source="tfds"`: MNIST through tfds, or a one-line `ValueError` saying why not."""
+  if _tfds_prepared(data_dir):
+    return load_tfds(data_dir, download=False)
+  host = _download_host()
+  if not _resolves(host, timeout=3.0):  # tfds would retry for minutes, then fail
+    where = data_dir or "the default tfds data directory"
+    raise ValueError(
+      f"source 'tfds': MNIST is not prepared in {where} and "
+      f"its download host {host} does not answer; use source 'sample' (the bundled 10,000 "
+      "images) or 'auto'"
+    )
+  try:
+    return load_tfds(data_dir)
+  except Exception as e:  # noqa: BLE001 - tfds and its downloads raise many kinds
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    raise ValueError(
+      f"source 'tfds': the MNIST download failed ({type(e).__name__}: {first})"
+    ) from e
+
+
 def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) -> Dataset:
   """Loads MNIST from tensorflow-datasets, or the bundled sample.
 
@@ -176,23 +197,7 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
   if source == "sample":
     return load_sample()
   if source == "tfds":
-    if _tfds_prepared(data_dir):
-      return load_tfds(data_dir, download=False)
-    host = _download_host()
-    if not _resolves(host, timeout=3.0):  # tfds would retry for minutes, then fail
-      where = data_dir or "the default tfds data directory"
-      raise ValueError(
-        f"source 'tfds': MNIST is not prepared in {where} and "
-        f"its download host {host} does not answer; use source 'sample' (the bundled 10,000 "
-        "images) or 'auto'"
-      )
-    try:
-      return load_tfds(data_dir)
-    except Exception as e:  # noqa: BLE001 - tfds and its downloads raise many kinds
-      first = (str(e).strip().splitlines() or [""])[0][:200]
-      raise ValueError(
-        f"source 'tfds': the MNIST download failed ({type(e).__name__}: {first})"
-      ) from e
+    return _tfds_or_one_line(data_dir)
   if _tfds_prepared(data_dir):
     return load_tfds(data_dir, download=False)
   if _resolves(_download_host(), timeout=3.0):
