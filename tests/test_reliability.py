@@ -3,6 +3,7 @@
 Each test is one row of the README's reliability table.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -81,6 +82,26 @@ def test_history_resumes_at_the_checkpoint_step_without_losing_or_repeating(tmp_
   assert [r for r in read_history(path) if "eval_accuracy" in r] == [
     {"step": 10, "eval_accuracy": 0.5}
   ]
+
+
+def test_a_nonfinite_metric_is_strict_json_null_and_still_drawn(tmp_path):
+  # json.dumps wrote NaN, which JSON has not: jq and JavaScript refuse the whole file.
+  from parstrat._src import report
+
+  def strict(text):
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text}"))
+
+  path = tmp_path / "metrics.jsonl"
+  with History(path) as history:
+    history.append({"step": 1, "loss": 2.0, "grad_norm": float("inf")})
+    history.append({"step": 2, "loss": float("nan"), "grad_norm": 1.0})
+  assert [strict(line)["loss"] for line in path.read_text().splitlines()] == [2.0, None]
+  with History(path, resume_step=2) as history:  # rewritten on resume: still strict
+    history.append({"step": 3, "loss": 1.0, "grad_norm": 1.0})
+  rows = [strict(line) for line in path.read_text().splitlines()]
+  assert [(r["loss"], r["grad_norm"]) for r in rows] == [(2.0, None), (None, 1.0), (1.0, 1.0)]
+  report.draw_training_report({"run": read_history(path)}, tmp_path / "report.png")
+  assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_done(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
@@ -29,6 +30,21 @@ def read_history(path: str | pathlib.Path) -> list[dict[str, Any]]:
         break
       raise ValueError(f"{path}, line {number}: not a JSON record: {line[:60]!r}") from None
   return records
+
+
+def json_line(record: dict[str, Any]) -> str:
+  """`record` as one line of strict JSON: a non-finite number (a NaN loss) becomes null.
+
+  Python's `json` writes NaN and Infinity, which JSON has not, and which `jq`,
+  JavaScript and most JSON readers refuse.
+
+  Example:
+    >>> json_line({"step": 3, "loss": float("nan")})
+    '{"step": 3, "loss": null}'
+  """
+  finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in record.items()}  # fmt: skip
+  return json.dumps(finite, allow_nan=False)
 
 
 def records_up_to(records: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
@@ -75,14 +91,14 @@ class History:
       return
     if resume_step is not None and self.path.exists():
       self.records = records_up_to(read_history(self.path), resume_step)
-    files.write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+    files.write_atomically(self.path, "".join(json_line(r) + "\n" for r in self.records))
     self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
   def append(self, record: dict[str, Any]) -> None:
     """Adds one record (and writes it through to the file)."""
     self.records.append(record)
     if self._file is not None:
-      self._file.write(json.dumps(record) + "\n")
+      self._file.write(json_line(record) + "\n")
       self._file.flush()
 
   def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 
@@ -24,7 +25,8 @@ def draw_training_report(runs: dict[str, list[dict]], path: str | pathlib.Path) 
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_accuracy" in r]
     style = styles[i % len(styles)]
-    loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], style, label=name)
+    losses = [math.nan if r["loss"] is None else r["loss"] for r in steps]  # null: not finite
+    loss_ax.plot([r["step"] for r in steps], losses, style, label=name)
     acc_ax.plot(
       [r["step"] for r in evals],
       [r["eval_accuracy"] for r in evals],
