@@ -103,6 +103,20 @@ def test_step_rejects_bad_batches_and_keeps_the_state_usable(trained, name, batc
   assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))
 
 
+@pytest.mark.parametrize(
+  "name, options", [("data_parallel", {"data": 8}), ("pipeline", {"stages": 2}), ("fsdp", {})]
+)
+def test_a_loss_fn_without_its_mean_is_named_before_the_step(name, options):
+  # A [B] loss failed deep in jax.grad ("Gradient only defined for scalar-output
+  # functions"; the pipeline: "unexpected JAX type ... for argument to VJP function").
+  per_example = optax.softmax_cross_entropy_with_integer_labels  # no .mean()
+  trainer = parstrat.get(name, **options)(SEED_MLP, optax.sgd(0.1), loss_fn=per_example)
+  state = trainer.init(KEY, X[:1])
+  with pytest.raises(ValueError, match=r"loss_fn must return a scalar .*got shape \(16,\); "):
+    trainer.step(state, (X, Y))
+  assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))  # nothing ran
+
+
 def test_a_failed_init_leaves_nothing_half_built():
   trainer = parstrat.PipelineModelParallel(stages=2, microbatches=2)(SEED_MLP, optax.sgd(0.1))
   with pytest.raises(ValueError, match=r"sample_inputs must share .*\['a'\]: 1, .*\['b'\]: 2"):

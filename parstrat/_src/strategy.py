@@ -1012,6 +1012,31 @@ class Trainer:
         raise ValueError(f"labels must have shape [{rows}], got {tuple(y.shape)}.")
       if not jnp.issubdtype(y.dtype, jnp.integer):
         raise TypeError(f"labels must be integer class ids, got dtype {y.dtype}.")
+    if not self.uses_default_loss:
+      self._check_loss_is_scalar(inputs, batch)
+
+  def _check_loss_is_scalar(self, inputs: Any, batch: Batch) -> None:
+    """A `loss_fn` must return one number: a `[B]` loss fails deep in `grad` otherwise."""
+    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    targets = batch[1] if self.model_inputs is None else batch
+    try:
+      loss, _ = jax.eval_shape(
+        model_loss(self._plan_model, self.loss_fn),
+        params,
+        inputs,
+        _abstract(targets),
+        jax.random.key(0),
+        self._abstract_state.model_state,
+      )
+    except Exception:  # noqa: BLE001 - the step reports the loss's own error, with its cause
+      return
+    shape = getattr(loss, "shape", None)
+    if shape != ():
+      what = f"shape {tuple(shape)}" if shape is not None else type(loss).__name__
+      raise ValueError(
+        f"loss_fn must return a scalar (e.g. the mean over the batch), got {what}; "
+        "reduce it, e.g. `.mean()`."
+      )
 
   def _as_batch(self, batch: Any, abstract: bool = False) -> Any:
     """`batch` with array leaves (a pair, without `model_inputs`)."""
