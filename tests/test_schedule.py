@@ -46,7 +46,7 @@ def test_check_schedule_catches_a_broken_table():
   action[0, 1], microbatch[0, 1] = action[t, 1], microbatch[t, 1]
   action[t, 1], microbatch[t, 1] = Action.IDLE, -1
   broken = type(schedule)(**{**schedule.__dict__, "action": action, "microbatch": microbatch})
-  with pytest.raises(AssertionError, match="stage 1 runs forward 0 at tick 0"):
+  with pytest.raises(AssertionError, match="stage 1 runs the forward of microbatch 0 at tick 0"):
     pipeline.check_schedule(broken)
 
 
@@ -166,7 +166,11 @@ def test_check_schedule_catches_weight_before_input_grad_and_a_misdelivered_mess
   action = zb.action.copy()
   # Swap stage 0's I0 and W0 (ticks 3 and 4).
   action[3, 0], action[4, 0] = action[4, 0], action[3, 0]
-  with pytest.raises(AssertionError, match="stage 0: W of microbatch 0 .tick 3. before its I"):
+  with pytest.raises(
+    AssertionError,
+    match=r"stage 0 runs the weight backward \(W\) of "
+    r"microbatch 0 at tick 3, not after its input backward \(I, tick 4\)",
+  ):
     pipeline.check_schedule(_replace(zb, action=action))
   one_f = pipeline.build_schedule("1f1b", 3, 4)
   recv = one_f.recv_act_slot.copy()
@@ -216,17 +220,25 @@ def test_csv_is_torch_pipelinings_format():
   [
     ("0F0,0X0\n1F0\n", r"Row 0, column 1: cannot read '0X0'"),
     ("0F0,1F0\n,\n", r"Row 0, column 1: '1F0' runs stage 1 on device 0; .* device 1"),
-    ("0F0,,0B0\n,1F0,1B0\n", r"stage 0 runs backward 0 at tick 2, stage 1 only at 2"),
-    ("0F0,,0B0\n,1F0\n", "stage 1 never runs BACKWARD of microbatch 0"),
-    ("0F0,0F0\n", "stage 0 runs FORWARD of microbatch 0 twice"),
-    ("0F0,0B0\n1F0,1B0\n", "stage 0 runs backward 0 at tick 1, stage 1 only at 1"),
+    (
+      "0F0,,0B0\n,1F0,1B0\n",
+      r"stage 0 runs the backward of microbatch 0 at tick 2, but "
+      r"needs stage 1's gradient, computed at tick 2: it must come later",
+    ),
+    ("0F0,,0B0\n,1F0\n", r"stage 1 never runs the backward \(B\) of microbatch 0"),
+    ("0F0,0F0\n", r"stage 0 runs the forward \(F\) of microbatch 0 twice \(ticks 0 and 1\)"),
+    (
+      "0F0,0B0\n1F0,1B0\n",
+      "stage 0 runs the backward of microbatch 0 at tick 1, but needs "
+      "stage 1's gradient, computed at tick 1: it must come later",
+    ),
     ("", "no rows"),
   ],
 )
 def test_csv_import_names_the_problem(text, message):
   with pytest.raises(ValueError, match=message):
     pipeline.from_csv(text)
-  if "only at" in message:  # the same order, retimed, is fine
+  if "must come later" in message:  # the same order, retimed, is fine
     pipeline.from_csv(text, retime=True)
 
 
@@ -342,7 +354,9 @@ def _edit(schedule, moves):
 def test_check_schedule_catches_a_message_used_before_its_exchange():
   schedule = pipeline.build_schedule("1f1b", 2, 3, exchange_every=2)
   # Stage 1's F0 moved to tick 1, the exchange where stage 0 computes it.
-  with pytest.raises(AssertionError, match=r"forward 0 at tick 1, .* \(it arrives after tick 1\)"):
+  with pytest.raises(
+    AssertionError, match=r"microbatch 0 at tick 1, .* \(it arrives after tick 1\)"
+  ):
     pipeline.check_schedule(_edit(schedule, {(2, 1): 1}))
   # Stage 0's F1 moved next to its F0: two activations for one exchange.
   with pytest.raises(AssertionError, match="tick 1: stage 0 sends two activations in one exchange"):

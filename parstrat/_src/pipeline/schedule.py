@@ -40,6 +40,15 @@ class Action(enum.IntEnum):
     return ".FBIW"[self]
 
 
+#: Each kind of work as messages name it.
+_PASS_NAMES = {
+  Action.FORWARD: "forward (F)",
+  Action.BACKWARD: "backward (B)",
+  Action.BACKWARD_INPUT: "input backward (I)",
+  Action.BACKWARD_WEIGHT: "weight backward (W)",
+}
+
+
 # (action, microbatch, chunk): `chunk` is which of the device's virtual stages runs
 # (0 unless virtual_stages > 1); device s's chunk j is model stage j * P + s.
 Op = tuple[Action, int, int]
@@ -699,36 +708,47 @@ def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
       assert 0 <= m < M, f"tick {t}, stage {s}: microbatch {m} is outside 0..{M - 1}"
       assert 0 <= j < schedule.virtual_stages, f"tick {t}, stage {s}: chunk {j} out of range"
       key = (a, j * P + s, m)
-      assert key not in when, f"stage {j * P + s} runs {Action(a).name} of microbatch {m} twice"
+      assert key not in when, (
+        f"stage {j * P + s} runs the {_PASS_NAMES[a]} of microbatch {m} twice "
+        f"(ticks {when.get(key)} and {t})"
+      )
       when[key] = t
   F, B, IN, W = (Action.FORWARD, Action.BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT)
   split: dict[tuple[int, int], bool] = {}
   for g in range(G):  # first: every action is there
     for m in range(M):
-      assert (F, g, m) in when, f"stage {g} never runs FORWARD of microbatch {m}"
+      assert (F, g, m) in when, f"stage {g} never runs the forward (F) of microbatch {m}"
       split[(g, m)] = (IN, g, m) in when or (W, g, m) in when
       for a in (IN, W) if split[(g, m)] else (B,):
-        assert (a, g, m) in when, f"stage {g} never runs {a.name} of microbatch {m}"
+        assert (a, g, m) in when, f"stage {g} never runs the {_PASS_NAMES[a]} of microbatch {m}"
       assert not (split[(g, m)] and (B, g, m) in when), (
         f"stage {g} runs both B and I/W of microbatch {m}"
       )
   for g in range(G):  # then: each after what it needs
     for m in range(M):
       f, b = when[(F, g, m)], when[(IN if split[(g, m)] else B, g, m)]
-      assert f < b, f"stage {g}: backward of microbatch {m} (tick {b}) before its forward ({f})"
+      assert f < b, (
+        f"stage {g} runs the backward of microbatch {m} at tick {b}, not after its forward "
+        f"(tick {f})"
+      )
       if split[(g, m)]:
         w = when[(W, g, m)]
-        assert b < w, f"stage {g}: W of microbatch {m} (tick {w}) before its I ({b})"
+        assert b < w, (
+          f"stage {g} runs the weight backward (W) of microbatch {m} at tick {w}, not after "
+          f"its input backward (I, tick {b})"
+        )
       # What another stage sent is there after the exchange that follows it.
       if g > 0:
         prev = when[(F, g - 1, m)]
         assert prev // K < f // K, (
-          f"stage {g} runs forward {m} at tick {f}, stage {g - 1} only at {prev}" + where(prev)
+          f"stage {g} runs the forward of microbatch {m} at tick {f}, but needs stage "
+          f"{g - 1}'s output, computed at tick {prev}" + where(prev) + ": it must come later"
         )
       if g < G - 1:
         nxt = when[(IN if split[(g + 1, m)] else B, g + 1, m)]
         assert nxt // K < b // K, (
-          f"stage {g} runs backward {m} at tick {b}, stage {g + 1} only at {nxt}" + where(nxt)
+          f"stage {g} runs the backward of microbatch {m} at tick {b}, but needs stage "
+          f"{g + 1}'s gradient, computed at tick {nxt}" + where(nxt) + ": it must come later"
         )
   return when
 
