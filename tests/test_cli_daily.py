@@ -201,6 +201,7 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ('schedule = "zigzag"', "run.toml: schedule = 'zigzag': choose one of gpipe, 1f1b"),
     ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
     ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
+    ("hidden = []", "run.toml: hidden = []: expected at least one value"),
     ("epochs = ", "run.toml: not valid TOML"),
   ],
 )

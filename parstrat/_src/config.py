@@ -113,6 +113,8 @@ def config_to_argv(
     values = value if isinstance(value, list) else [value]
     if isinstance(value, list) and action.nargs not in ("+", "*"):
       raise ConfigError(f"{where}: expected one value, got a list")
+    if not values and action.nargs == "+":
+      raise ConfigError(f"{where}: expected at least one value")
     if any(isinstance(v, (bool, dict, list)) for v in values):
       raise ConfigError(f"{where}: expected {'numbers or strings' if values else 'a value'}")
     tokens = [str(v) for v in values]

@@ -793,7 +793,7 @@ class Trainer:
   def _commit(self, plan, sample, state, uses_rng, rng, sample_batch) -> None:
     """Adopts a new layout (only once everything is built: no half state on failure)."""
     if sample_batch is not None:  # checked against the new layout before anything changes
-      self._check_first_batch(sample_batch, _per_example(sample))
+      self._check_first_batch(sample_batch, _per_example(sample), (plan, _abstract(state)))
     self._plan = plan
     self.uses_rng = uses_rng
     self._rng_impl = _key_impl(rng)
@@ -991,8 +991,12 @@ class Trainer:
 
     return jax.tree.map(leaf, value)
 
-  def _check_first_batch(self, batch: Batch, input_spec: Any) -> None:
-    """Checks a first batch (or `sample_batch`): its model inputs and, by default, labels."""
+  def _check_first_batch(self, batch: Batch, input_spec: Any, layout: tuple | None = None) -> None:
+    """Checks a first batch (or `sample_batch`): its model inputs and labels, or the loss.
+
+    `layout` is `(plan, abstract state)` of a layout not yet adopted (default:
+    the trainer's own).
+    """
     if self.model_inputs is None:
       what = "batch[0] (the model inputs)"
     else:
@@ -1013,11 +1017,12 @@ class Trainer:
       if not jnp.issubdtype(y.dtype, jnp.integer):
         raise TypeError(f"labels must be integer class ids, got dtype {y.dtype}.")
     if not self.uses_default_loss:
-      self._check_loss_is_scalar(inputs, batch)
+      plan, state = layout or (self.plan, self._abstract_state)
+      self._check_loss_is_scalar(plan, state, inputs, batch)
 
-  def _check_loss_is_scalar(self, inputs: Any, batch: Batch) -> None:
+  def _check_loss_is_scalar(self, plan: Plan, state: Any, inputs: Any, batch: Batch) -> None:
     """A `loss_fn` must return one number: a `[B]` loss fails deep in `grad` otherwise."""
-    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    params = jax.eval_shape(plan.to_params, state.params)
     targets = batch[1] if self.model_inputs is None else batch
     try:
       loss, _ = jax.eval_shape(
@@ -1026,7 +1031,7 @@ class Trainer:
         inputs,
         _abstract(targets),
         jax.random.key(0),
-        self._abstract_state.model_state,
+        state.model_state,
       )
     except Exception:  # noqa: BLE001 - the step reports the loss's own error, with its cause
       return
