@@ -463,10 +463,11 @@ def _sequences(steps, seed=0):
 def test_an_lstm_under_dynamic_unroll_trains_like_jit(name):
   # Under data_parallel the scan's carry starts from the LSTM's zero state and
   # becomes device-varying: with shard_map's varying-axes check on, it failed to trace.
+  # SGD shows a wrong gradient scale; Adam where the failure was (data_parallel) only.
+  optimizers = [optax.sgd(0.1)] + ([optax.adam(1e-2)] if name == "data_parallel" else [])
   parstrat.testing.check_strategy(
-    STRATEGIES[name], hk.transform(_lstm), [optax.sgd(0.1), optax.adam(1e-2)],
-    batches=_sequences(2),
-  )  # fmt: skip
+    STRATEGIES[name], hk.transform(_lstm), optimizers, batches=_sequences(2)
+  )
 
 
 @pytest.mark.parametrize("name", ["data_parallel", "pipeline"])
