@@ -573,11 +573,15 @@ def run_strategies(results, repeats):
   )
   # More passes over every row, one after the other, so that a burst of load on the
   # shared cores hits all rows of a pass alike: step times are the median over passes,
-  # and each ratio the median of its per-pass ratios.
+  # and each ratio the median of its per-pass ratios. Each later pass times the rows
+  # in its own (seeded) random order, so that no row always runs just after the same
+  # one, or always first: the order the rows were built in stays the first pass's.
   for row in rows.values():
     row["pass_medians_s"] = [row["median_s"]]
-  for _ in range(ARGS.passes - 1):
-    for name, timer in timers.items():
+  names = list(timers)
+  for index in range(1, ARGS.passes):
+    for name in np.random.default_rng(index).permutation(names):
+      timer = timers[name]
       more, timer[1] = timed(*timer, repeats)
       rows[name]["pass_medians_s"].append(more["median_s"])
   for row in rows.values():
