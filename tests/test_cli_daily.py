@@ -390,7 +390,7 @@ def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
 def test_auto_on_the_command_line_measures_the_datasets_own_labels(tmp_path, monkeypatch):
   # --strategy auto lowered its candidates on guessed [B] labels: a loss over [B, T]
   # labels failed; the CLI now gives init the dataset's first example as sample_batch.
-  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model",
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--devices", "1",
                    "--dataset", "mymodel:sequences", "--strategy", "auto") == 0  # fmt: skip
 
 
