@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 
 from parstrat._src import files
 from parstrat._src import trees
+from parstrat._src.messages import first_line
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
 
@@ -247,7 +248,7 @@ class Checkpointer:
         except _DoesNotFit:
           raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-          first = (str(e).strip().splitlines() or [""])[0][:160]
+          first = first_line(e)
           problem, unverified = f"cannot be read ({type(e).__name__}: {first})", False
         else:
           notes = []

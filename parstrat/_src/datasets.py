@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from parstrat._src.messages import first_line
+
 SAMPLE_IMAGES = "t10k-images-idx3-ubyte.gz"
 SAMPLE_LABELS = "t10k-labels-idx1-ubyte.gz"
 #: md5 of the decompressed sample images (from the sample's README).
@@ -167,9 +169,8 @@ def _tfds_or_one_line(data_dir: str | None) -> Dataset:
   try:
     return load_tfds(data_dir)
   except Exception as e:  # noqa: BLE001 - tfds and its downloads raise many kinds
-    first = (str(e).strip().splitlines() or [""])[0][:200]
     raise ValueError(
-      f"source 'tfds': the MNIST download failed ({type(e).__name__}: {first})"
+      f"source 'tfds': the MNIST download failed ({type(e).__name__}: {first_line(e)})"
     ) from e
 
 

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 
+def first_line(error: BaseException, limit: int = 160) -> str:
+  """The first line of an error's message, cut to `limit` characters, for one-line reports.
+
+  Example:
+    >>> first_line(ValueError("Dataset x not found.\\nAvailable datasets:\\n - mnist"))
+    'Dataset x not found.'
+  """
+  return (str(error).strip().splitlines() or [""])[0][:limit]
+
+
 def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
   """The multiples of `multiple` just below (None if there is none) and just above `value`.
 

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from parstrat._src import trees
+from parstrat._src.messages import first_line
 
 
 def _same_layout(plan, abstract_params) -> bool:
@@ -122,14 +123,14 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
   try:
     got_state = optimizer.init(stored)
   except Exception as e:  # noqa: BLE001 - any failure on the flat layout is the answer
-    return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
+    return f"on the flat layout it fails: {type(e).__name__}: {first_line(e)}"
   for step in range(STEPS):
     grads = draw()
     want, want_state = update(grads, want_state, params)
     try:
       got, got_state = update(plan.to_stored(grads), got_state, stored)
     except Exception as e:  # noqa: BLE001
-      return f"on the flat layout it fails: {type(e).__name__}: {_first_line(e)}"
+      return f"on the flat layout it fails: {type(e).__name__}: {first_line(e)}"
     if not _close(plan.to_params(got), want):
       return f"its update {step + 1} on the flat layout differs from the one on the model's layout"
     back = trees.map_param_like(got_state, stored, plan.to_params)
@@ -158,7 +159,3 @@ def _data(x: Any) -> Any:
   if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
     return jax.random.key_data(x)
   return x
-
-
-def _first_line(e: Exception) -> str:
-  return (str(e).strip().splitlines() or [""])[0][:160]

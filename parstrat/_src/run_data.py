@@ -18,6 +18,7 @@ import numpy as np
 
 from parstrat._src import config
 from parstrat._src import datasets
+from parstrat._src.messages import first_line
 
 #: The built-in dataset: MNIST with the bundled offline sample (`--source`).
 MNIST = "mnist"
@@ -115,9 +116,8 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
       f"{config.did_you_mean(name, known)} (or give module:function)"
     ) from None
   except Exception as e:  # noqa: BLE001 - tfds raises many kinds; name it in one line
-    first = (str(e).strip().splitlines() or [""])[0][:200]
     raise ValueError(
-      f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {first})"
+      f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {first_line(e)})"
     ) from e
   info = train.dataset_info
   keys = info.supervised_keys
@@ -237,7 +237,7 @@ def eval_accuracy(
   `rows` and the outputs are gathered.
 
   A model that draws randomness (`hk.next_rng_key()`, as dropout does) is
-  evaluated as it trains, with a key folded from `rng` for each piece.
+  evaluated as it trains, with a key folded from `rng` (then required) for each piece.
 
   Returns:
     The accuracy, or None when the batches are not `(inputs, labels)` pairs
@@ -265,6 +265,10 @@ def eval_accuracy(
 
       x = jax.tree.map(piece, inputs)
       if getattr(trainer, "uses_rng", False):  # dropout: a key of its own per piece
+        if rng is None:
+          raise ValueError(
+            "eval_accuracy: the model draws randomness; pass rng=jax.random.key(...)"
+          )
         outputs = trainer.apply(state, x, rng=jax.random.fold_in(rng, pieces))
       else:
         outputs = trainer.apply(state, x)
