@@ -53,6 +53,17 @@ def data(batch_size, seed):
   y = x[:, :4].argmax(-1).astype(np.int32)
   train = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
   return train, [(x[:50], y[:50])]
+
+
+def short_last(batch_size, seed):  # 4 batches an epoch, the last one half a batch
+  train, evaluation = data(batch_size, seed)
+  return train[:3] + [tuple(a[: batch_size // 2] for a in train[3])], evaluation
+
+
+def nan_second(batch_size, seed):  # the second batch's inputs are NaN: its update is skipped
+  train, evaluation = data(batch_size, seed)
+  train[1] = (np.full_like(train[1][0], np.nan), train[1][1])
+  return train, evaluation
 """
 
 
@@ -419,6 +430,33 @@ def test_a_config_files_strategy_options_give_way_to_another_strategy(
   assert "mesh: {'data': 2}" in out  # data-parallel = 2 from the file: fsdp takes it
   assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--stages", "2") == 2
   assert "Strategy 'fsdp' has no option 'stages'" in capsys.readouterr().err
+
+
+def test_throughput_counts_a_short_batchs_rows_and_leaves_out_every_compiling_step(
+  tmp_path, monkeypatch, capsys
+):
+  # A short last batch was counted as a whole --batch-size, and its step, which
+  # compiles for the new shape, was timed.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:short_last", "--epochs", "2", "--steps", "8") == 0  # fmt: skip
+  out = capsys.readouterr().out
+  # Timed: epoch 1's steps 2 and 3 (8 rows each) and all of epoch 2 (8 + 8 + 8 + 4).
+  assert "over the 6 steps (44 examples) that reused a compiled step; not timed: the 2 " in out
+  assert "steps that compiled for a new batch shape, on 2 of 2 cpu devices" in out
+
+
+def test_skipped_updates_are_counted_across_a_resume(tmp_path, monkeypatch, capsys):
+  run = ["--model-fn", "mymodel:model", "--dataset", "mymodel:nan_second", "--out", "run",
+         "--checkpoint-dir", "ck", "--save-every", "1"]  # fmt: skip
+  assert _user_run(tmp_path, monkeypatch, *run, "--steps", "3") == 0
+  assert "skipped 1 update(s) with non-finite loss or gradients: steps [2]" in (
+    capsys.readouterr().out
+  )
+  assert _user_run(tmp_path, monkeypatch, *run, "--steps", "5", "--resume") == 0
+  out = capsys.readouterr().out
+  assert "skipped 1 update(s) with non-finite loss or gradients, all before the resume" in out
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1, 1, 1]
 
 
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():

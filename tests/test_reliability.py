@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,20 +168,45 @@ def test_cli_a_cosine_schedule_resumes_on_its_own_length(tmp_path, capsys):
   # The cosine's length was the invocation's last step, and not in the checkpoint:
   # stopping at step 3 and resuming to 6 silently decayed to 0 at 3, then restarted
   # a 6-step curve. Now the length is recorded (and guarded); --schedule-steps fixes it.
-  flags = [*TRAIN, "--optimizer", "sgd", "--lr", "0.05", "--lr-schedule", "cosine"]
+  # A row every 2 steps: the row at step 4 and the epoch's loss span the resume at 3
+  # (they were the mean of the steps since the resume). The first leg's end at step 5
+  # is lost (its checkpoint deleted, as in a crash before the save), so the run
+  # resumes at 3 and drops the rows after it.
+  flags = [*TRAIN, "--optimizer", "sgd", "--lr", "0.05", "--lr-schedule", "cosine",
+           "--log-every", "2"]  # fmt: skip
 
   def history(directory):
     rows = [r for r in read_history(directory / "metrics.jsonl") if "loss" in r]
     return [(r["step"], r["loss"], r["learning_rate"]) for r in rows]
 
+  def epoch_line(out):
+    return next(line for line in out.splitlines() if line.startswith("epoch 1: loss"))
+
+  capsys.readouterr()
   straight = tmp_path / "straight"
   assert cli.main([*flags, "--checkpoint-dir", str(straight), "--steps", "6"]) == 0
+  expected = epoch_line(capsys.readouterr().out)
+  assert "(mean of 6 steps)" in expected
   legs = tmp_path / "legs"
   leg = [*flags, "--checkpoint-dir", str(legs), "--save-every", "3", "--schedule-steps", "6"]
+  assert cli.main([*leg, "--steps", "5"]) == 0
+  shutil.rmtree(legs / "5")
+  capsys.readouterr()
+  assert cli.main([*leg, "--steps", "6", "--resume"]) == 0
+  out = capsys.readouterr().out
+  assert "at step 3" in out and epoch_line(out) == expected
+  assert [row[0] for row in history(legs)] == [2, 4, 6]
+  assert history(legs) == history(straight)
+  # A leg that ends at 3 logs step 3 alone; the resumed run's row at 4 is then step 4's
+  # loss alone (each step in one row), which the straight run's row averages with 3's.
+  ended = tmp_path / "ended"
+  leg = [*flags, "--checkpoint-dir", str(ended), "--save-every", "3", "--schedule-steps", "6"]
   assert cli.main([*leg, "--steps", "3"]) == 0
   assert cli.main([*leg, "--steps", "6", "--resume"]) == 0
-  assert history(legs) == history(straight)
-  assert history(straight)[-1][2] > 0 and history(straight)[2][2] > history(straight)[-1][2]
+  rows, expected = {r[0]: r[1] for r in history(ended)}, {r[0]: r[1] for r in history(straight)}
+  assert sorted(rows) == [2, 3, 4, 6] and rows[6] == expected[6]
+  assert rows[4] == pytest.approx(2 * expected[4] - rows[3], rel=1e-5)
+  assert history(straight)[-1][2] > 0 and history(straight)[0][2] > history(straight)[-1][2]
 
   unplanned = tmp_path / "unplanned"
   leg = [*flags, "--checkpoint-dir", str(unplanned), "--save-every", "3"]

@@ -818,6 +818,16 @@ def train(args: argparse.Namespace) -> dict:
   return runs
 
 
+def _batch_rows_and_shape(batch, default_rows: int) -> tuple[int, tuple]:
+  """A batch's rows (its first leaf's leading size) and what `jit` compiles a step for."""
+  import jax
+  import numpy as np
+
+  leaves, structure = jax.tree.flatten(batch)
+  rows = np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else default_rows
+  return int(rows), (structure, tuple((np.shape(x), np.result_type(x).str) for x in leaves))
+
+
 def strategy_name(strategy) -> str:
   import parstrat
 
@@ -914,10 +924,16 @@ def _train_one(
     say(trainer.plan.description)
   used = int(trainer.mesh.devices.size)
   steps_per_epoch = data.steps_per_epoch
-  timed_examples = 0
-  timed_seconds = 0.0
+  # Throughput counts the rows each step trained on, over the steps that ran a program
+  # already compiled: a step whose batch has a new shape (the first, a short last batch
+  # of a user's dataset) compiles inside its time.
+  timed_examples, timed_steps, timed_seconds = 0, 0, 0.0
+  batch_shapes: set = set()
   step = 0
-  skipped: list[int] = []
+  skipped: list[int] = []  # this session's skipped steps
+  # Sums that span checkpoints: kept in each checkpoint's meta, so that a resumed run's
+  # epoch loss, logged rows and skipped count are those of the run it continues.
+  running = {"epoch_loss": [0.0, 0], "window_loss": [0.0, 0], "skipped_steps": 0}
   accuracy = None
   ckpt = None
   first_epoch, skip_batches = 0, 0
@@ -928,6 +944,7 @@ def _train_one(
       state = restored
       step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
       resume_step = step
+      running.update(meta.get("running", {}))  # older checkpoints: from the resume on
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
@@ -940,6 +957,8 @@ def _train_one(
       ckpt.close()
     raise UsageError(f"metrics file {metrics_path}: {e}") from None
   records = history.records
+  if any(r["step"] == resume_step and "loss" in r for r in records):
+    running["window_loss"] = [0.0, 0]  # the run that saved it logged its last steps' row
   # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
   purge = None if resume_step is None else resume_step + 1
   if args.overwrite and log_dir is not None:  # the old run's curves go with it
@@ -969,35 +988,41 @@ def _train_one(
       f"resumed from {ckpt.directory} at step {step} (epoch {first_epoch + 1}, "
       f"batch {skip_batches})"
     )
-  first_step = step + 1  # compiles: not timed
 
   def position(epoch: int, batch: int) -> dict:
-    if batch == steps_per_epoch:
+    sums = {key: list(value) if isinstance(value, list) else value
+            for key, value in running.items()}  # fmt: skip
+    if batch == steps_per_epoch:  # a resume starts the next epoch
       epoch, batch = epoch + 1, 0
+      sums["epoch_loss"] = [0.0, 0]
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
-            "batch_size": args.batch_size, "config": _run_config(args, data)}  # fmt: skip
+            "batch_size": args.batch_size, "config": _run_config(args, data),
+            "running": sums}  # fmt: skip
 
-  window: list[float] = []  # finite losses since the last logged row
-  window_steps, window_seconds = 0, 0.0
+  # Since the last logged row: its steps, rows and seconds (this session's only: a
+  # rate needs both), and its finite losses in running["window_loss"].
+  window_steps, window_examples, window_seconds = 0, 0, 0.0
 
   def log(epoch: int, loss: float, metrics: dict) -> None:
     """One row for the steps since the last: their mean loss and examples/s."""
-    nonlocal window, window_steps, window_seconds
+    nonlocal window_steps, window_examples, window_seconds
+    total, finite_steps = running["window_loss"]
     row = {
       "step": step,
       "epoch": epoch + 1,
-      "loss": float(np.mean(window)) if window else loss,
+      "loss": total / finite_steps if finite_steps else loss,
       "grad_norm": float(metrics["grad_norm"]),
-      "examples_per_s": window_steps * args.batch_size / window_seconds,
+      "examples_per_s": window_examples / window_seconds,
       "learning_rate": float(lr_schedule(step - 1)),
-      "skipped_steps": len(skipped),
+      "skipped_steps": running["skipped_steps"],
     }
     if skipped and skipped[-1] > step - window_steps:
       row["skipped"] = True
     record(row)
     if args.no_progress and args.log_every > 1:
       say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
-    window, window_steps, window_seconds = [], 0, 0.0
+    running["window_loss"] = [0.0, 0]
+    window_steps, window_examples, window_seconds = 0, 0, 0.0
 
   epoch = first_epoch
   batch_in_epoch = skip_batches
@@ -1018,9 +1043,11 @@ def _train_one(
         disable=args.no_progress or jax.process_index() != 0,
         leave=True,
       )
-      epoch_losses = []
+      if epoch != first_epoch or not skip_batches:
+        running["epoch_loss"] = [0.0, 0]
       epoch_start_step = step
       for batch in bar:
+        examples, shape = _batch_rows_and_shape(batch, args.batch_size)
         if jax.process_count() > 1:  # this process passes only its own rows of the batch
           batch = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         tick = time.perf_counter()
@@ -1037,10 +1064,12 @@ def _train_one(
           )
         loss = float(metrics["loss"])  # waits for the step
         seconds = time.perf_counter() - tick
-        if step > first_step:
-          timed_examples += args.batch_size
+        if shape in batch_shapes:
+          timed_examples, timed_steps = timed_examples + examples, timed_steps + 1
           timed_seconds += seconds
-        window_steps, window_seconds = window_steps + 1, window_seconds + seconds
+        batch_shapes.add(shape)
+        window_steps, window_examples = window_steps + 1, window_examples + examples
+        window_seconds += seconds
         finite = bool(metrics["finite"])
         if not finite:
           if args.stop_on_nonfinite:
@@ -1049,9 +1078,11 @@ def _train_one(
               f"(loss {loss}); stopping before the update"
             )
           skipped.append(step)
+          running["skipped_steps"] += 1
         else:
-          window.append(loss)
-          epoch_losses.append(loss)
+          for key in ("window_loss", "epoch_loss"):
+            total, finite_steps = running[key]
+            running[key] = [total + loss, finite_steps + 1]
         batch_in_epoch += 1
         if step % args.log_every == 0:
           log(epoch, loss, metrics)
@@ -1075,11 +1106,12 @@ def _train_one(
       if not (args.eval_every and step % args.eval_every == 0):
         accuracy = evaluate(epoch)
       shown = "" if accuracy is None else f", eval accuracy {accuracy:.4f}"
-      if epoch_losses:
-        mean = float(np.mean(epoch_losses))
+      total, finite_steps = running["epoch_loss"]
+      if finite_steps:
+        mean = total / finite_steps
         if board is not None:
           board.write(step, {"epoch_loss": mean})
-        say(f"epoch {epoch + 1}: loss {mean:.4f} (mean of {len(epoch_losses)} steps){shown}")
+        say(f"epoch {epoch + 1}: loss {mean:.4f} (mean of {finite_steps} steps){shown}")
       else:
         say(f"epoch {epoch + 1}: no finite loss (every step was skipped){shown}")
       if args.steps is not None and step >= args.steps:
@@ -1108,16 +1140,28 @@ def _train_one(
   if accuracy is not None:
     say(f"eval accuracy: {accuracy:.4f} ({data.description})")
   platform = trainer.mesh.devices.flat[0].platform
-  if timed_seconds:
+  if timed_steps:
     throughput = f"{timed_examples / timed_seconds:,.0f} examples/s over the "
-    timed_steps = timed_examples // args.batch_size
-    throughput += f"{timed_steps:,} step{'s' * (timed_steps != 1)} after the first (compiling) one"
+    throughput += f"{timed_steps:,} step{'s' * (timed_steps != 1)} "
+    if len(batch_shapes) == 1:
+      throughput += "after the first (compiling) one"
+    else:  # e.g. a short last batch
+      throughput += (
+        f"({timed_examples:,} examples) that reused a compiled step; not timed: the "
+        f"{len(batch_shapes)} steps that compiled for a new batch shape"
+      )
   else:
     throughput = "not measured (only the first, compiling, step ran)"
   say(f"throughput: {throughput}, on {used} of {len(devices) or used} {platform} devices")
   say(f"mesh: {dict(trainer.mesh.shape)}")
-  if skipped:
-    say(f"skipped {len(skipped)} update(s) with non-finite loss or gradients: steps {skipped}")
+  if running["skipped_steps"]:
+    line = f"skipped {running['skipped_steps']} update(s) with non-finite loss or gradients"
+    earlier = running["skipped_steps"] - len(skipped)  # before a resume
+    if skipped:
+      line += f": steps {skipped}" + (f" since the resume, {earlier} before it" * bool(earlier))
+    else:
+      line += ", all before the resume"
+    say(line)
   return {"accuracy": accuracy, "records": records, "state": state, "skipped": skipped}
 
 
