@@ -3,5 +3,6 @@
 from parstrat._src.checkpoint import Checkpointer
 from parstrat._src.checkpoint import CheckpointError
 from parstrat._src.checkpoint import CheckpointWarning
+from parstrat._src.checkpoint import OptimizerDoesNotFit
 
-__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "OptimizerDoesNotFit"]

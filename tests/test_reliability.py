@@ -24,6 +24,7 @@ import pytest
 import parstrat
 from parstrat._src import cli
 from parstrat._src import datasets
+from parstrat._src import optimizers
 from parstrat._src.history import History
 from parstrat._src.history import read_history
 from parstrat.checkpoint import Checkpointer
@@ -308,10 +309,29 @@ def test_resume_with_another_optimizer_is_refused_in_one_line_naming_the_change(
   err = _one_line(capsys.readouterr().err)
   assert "fits this model's params but not this trainer's optimizer" in err
   assert "This run changes optimizer sgd -> adamw" in err and "cannot be resumed" in err
+  assert "add --fresh-optimizer" in err
   assert (ckpt / "metrics.jsonl").read_bytes() == before
   # A change that keeps the state's layout continues.
   assert cli.main([*resume, "--optimizer", "sgd", "--lr", "0.05", "--allow-config-change"]) == 0
   assert "resuming with a changed configuration: lr 0.1 -> 0.05" in capsys.readouterr().out
+  # --fresh-optimizer: the params go on; adamw's state and its warm-up start at step 4,
+  # and a later plain resume keeps counting the warm-up from there.
+  assert cli.main([*TRAIN, "--fresh-optimizer", "--steps", "6"]) == 2
+  assert "--fresh-optimizer restarts the optimizer of a resumed run: add --resume" in (
+    _one_line(capsys.readouterr().err)
+  )
+  adamw = [*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "adamw",
+           "--lr", "0.1", "--warmup-steps", "4"]  # fmt: skip
+  assert cli.main([*adamw, "--steps", "6", "--allow-config-change", "--fresh-optimizer"]) == 0
+  assert "--fresh-optimizer: the optimizer state starts anew at step 4" in capsys.readouterr().out
+  assert cli.main([*adamw, "--steps", "8"]) == 0
+  rows = [r for r in read_history(ckpt / "metrics.jsonl") if "loss" in r]
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  warmup = optimizers.learning_rate_schedule(0.1, schedule="constant", warmup_steps=4,
+                                             total_steps=None)  # fmt: skip
+  assert [r["learning_rate"] for r in rows[4:]] == pytest.approx(
+    [float(warmup(i)) for i in range(4)]
+  )
 
 
 # ------------------------------------------------------------------ checkpoint integrity

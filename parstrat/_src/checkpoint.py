@@ -38,6 +38,15 @@ class _DoesNotFit(ValueError):
   """The saved tree differs from the trainer's (raised before orbax reads an array)."""
 
 
+class OptimizerDoesNotFit(_DoesNotFit):
+  """The saved params fit the trainer's model, its optimizer state does not.
+
+  Another optimizer, or clipping or weight decay switched on or off, gives the
+  optimizer state another layout: `Checkpointer.restore(trainer,
+  fresh_optimizer=True)` restores the rest and starts the optimizer state anew.
+  """
+
+
 class Checkpointer:
   """Saves and restores training state every `save_every` steps, keeping the last `keep`.
 
@@ -210,7 +219,9 @@ class Checkpointer:
         return f"has {name} with a different checksum than was written"
     return None
 
-  def restore(self, trainer: Trainer, step: int | None = None) -> tuple[TrainState, dict]:
+  def restore(
+    self, trainer: Trainer, step: int | None = None, *, fresh_optimizer: bool = False
+  ) -> tuple[TrainState, dict]:
     """Restores the newest intact (or the given) checkpoint into `trainer`'s layout.
 
     `trainer` must have been `init`-ed (for its shapes and shardings); any
@@ -221,10 +232,24 @@ class Checkpointer:
     an older parstrat, or a process killed between orbax's save and the
     manifest) is restored with a warning that it was not verified.
 
+    Args:
+      trainer: an `init`-ed trainer of the saved model.
+      step: the checkpoint to restore (default: the newest intact one).
+      fresh_optimizer: restore the params, model state, step and key, but not
+        the optimizer state (orbax does not read it): it starts anew as
+        `trainer.optimizer.init` of the restored params, so a run can go on
+        with another optimizer, or with clipping or weight decay switched on
+        or off, whose state has another layout. Its schedule (and Adam's bias
+        correction) starts from step 0.
+
+    Returns:
+      `(state, meta)`: the state in `trainer`'s layout and the JSON `meta`.
+
     Raises:
       FileNotFoundError: if there is no checkpoint.
       ValueError: if the saved state does not fit this trainer's model (named
-        by the first leaf that differs; checked before reading any array).
+        by the first leaf that differs; checked before reading any array), or
+        its optimizer state does not fit `trainer`'s (unless `fresh_optimizer`).
       CheckpointError: if no checkpoint can be restored (or the given `step`
         is damaged).
     """
@@ -244,7 +269,7 @@ class Checkpointer:
       unverified = problem == "has no manifest"
       if problem is None or unverified:
         try:
-          restored = self._restore(candidate, template, abstract)
+          restored = self._restore(candidate, template, abstract, fresh_optimizer)
         except _DoesNotFit:
           raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
@@ -265,13 +290,20 @@ class Checkpointer:
             )
           for note in notes:
             warnings.warn(note, CheckpointWarning, stacklevel=2)
-          return trainer.import_state(restored["state"]), dict(restored["meta"])
+          exported = dict(restored["state"])
+          if fresh_optimizer:
+            exported["opt_state"] = None  # import_state starts it anew
+          return trainer.import_state(exported), dict(restored["meta"])
       skipped.append((candidate, problem))
     described = "; ".join(f"step {s} {why}" for s, why in skipped)
     raise CheckpointError(f"No intact checkpoint in {self.directory}: {described}.")
 
-  def _restore(self, step: int, template: Any, abstract: Any) -> dict:
-    """Reads one checkpoint after checking its saved tree against `template`."""
+  def _restore(self, step: int, template: Any, abstract: Any, fresh_optimizer: bool) -> dict:
+    """Reads one checkpoint after checking its saved tree against `template`.
+
+    With `fresh_optimizer`, the saved optimizer state is left unread (orbax's
+    partial restore), whatever its layout.
+    """
     saved = self._manager.item_metadata(step)["state"]
     if saved is None:
       raise OSError("orbax finds no saved state")
@@ -281,19 +313,51 @@ class Checkpointer:
     )
     if mismatch is not None:
       raise _DoesNotFit(f"The checkpoint at step {step} does not fit this model: {mismatch}.")
-    mismatch = trees.first_mismatch(saved.tree, template)
+    if fresh_optimizer:
+      template = {k: v for k, v in template.items() if k != "opt_state"}
+      abstract = {k: v for k, v in abstract.items() if k != "opt_state"}
+    mismatch = trees.first_mismatch(
+      {k: v for k, v in saved.tree.items() if not (fresh_optimizer and k == "opt_state")},
+      template,
+    )
     if mismatch is not None:
-      what = "optimizer" if mismatch.startswith("opt_state") else "training state"
+      if mismatch.startswith("opt_state"):
+        raise OptimizerDoesNotFit(
+          f"The checkpoint at step {step} fits this model's params but not this trainer's "
+          f"optimizer (another optimizer, clipping or weight decay?): {mismatch}."
+        )
       raise _DoesNotFit(
         f"The checkpoint at step {step} fits this model's params but not this trainer's "
-        f"{what} (another optimizer, clipping or weight decay?): {mismatch}."
+        f"training state: {mismatch}."
       )
-    return self._manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-      ),
-    )
+    if fresh_optimizer:  # the same files, read as a plain PyTree without opt_state
+      with ocp.PyTreeCheckpointer() as reader:
+        state = reader.restore(
+          self._step_dir(step) / "state",
+          args=ocp.args.PyTreeRestore(
+            item=abstract,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True,
+          ),
+        )
+      return {"state": state, "meta": self.metadata(step)}
+    try:
+      return self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        ),
+      )
+    except ValueError as e:
+      # Every leaf fits, so the trees differ in a node without leaves: an optimizer
+      # state with another chain (adam -> adamw adds an EmptyState).
+      if "tree structures do not match" not in str(e):
+        raise
+      raise OptimizerDoesNotFit(
+        f"The checkpoint at step {step} fits this model's params but not this trainer's "
+        "optimizer: its optimizer state has another tree structure (another optimizer, "
+        "clipping or weight decay?)."
+      ) from None
 
 
 def _sha256(path: pathlib.Path) -> str:

@@ -369,6 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     help="--resume with another --lr, optimizer or --precision than the checkpoint's",
   )
   train.add_argument(
+    "--fresh-optimizer",
+    action="store_true",
+    help="with --resume: restore the params, step and data position but start the optimizer "
+    "state anew (optimizer.init of the restored params), to go on with another --optimizer "
+    "or with clipping or weight decay switched on or off; its learning-rate schedule starts "
+    "again at the resumed step",
+  )
+  train.add_argument(
     "--stop-on-nonfinite",
     action="store_true",
     help="stop at a NaN/inf loss or gradient (default: skip that update and count it)",
@@ -540,6 +548,8 @@ def _check_paths(args: argparse.Namespace) -> None:
     raise UsageError(f"{given[0]} needs --checkpoint-dir")
   if args.resume and args.overwrite:
     raise UsageError("--resume continues the checkpoints that --overwrite would delete: pick one")
+  if args.fresh_optimizer and not args.resume:
+    raise UsageError("--fresh-optimizer restarts the optimizer of a resumed run: add --resume")
   if args.checkpoint_dir is not None:
     directory = pathlib.Path(args.checkpoint_dir)
     _check_writable_dir(directory, "--checkpoint-dir")
@@ -645,6 +655,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
 
   from parstrat._src.checkpoint import Checkpointer
   from parstrat._src.checkpoint import CheckpointError
+  from parstrat._src.checkpoint import OptimizerDoesNotFit
 
   directory = pathlib.Path(args.checkpoint_dir)
   if args.compare:
@@ -666,22 +677,25 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
       try:
-        state, meta = ckpt.restore(trainer)
+        state, meta = ckpt.restore(trainer, fresh_optimizer=args.fresh_optimizer)
+      except OptimizerDoesNotFit as e:
+        changed = f"This run changes {', '.join(changes)}: a" if changes else "A"
+        raise UsageError(
+          f"--resume: {e} {changed} change that gives the optimizer state another layout "
+          "(another --optimizer, clipping on or off, weight decay on or off, a schedule for a "
+          "constant rate) cannot be resumed with the saved optimizer state: add "
+          "--fresh-optimizer to start it anew from the restored params, or resume with the "
+          "saved values"
+        ) from None
       except (ValueError, CheckpointError) as e:
-        hint = ""
-        if changes and "optimizer" in str(e):
-          hint = (
-            f" This run changes {', '.join(changes)}: a change that gives the optimizer "
-            "state another layout (another --optimizer, clipping on or off, weight decay "
-            "on or off, a schedule for a constant rate) cannot be resumed; resume with the "
-            "saved values, or start a new run"
-          )
-        raise UsageError(f"--resume: {e}{hint}") from None
+        raise UsageError(f"--resume: {e}") from None
     for warning in caught:
       say(f"warning: {warning.message}")
     changes = _resumable_changes(args, meta, data)
     if changes:
       say(f"resuming with a changed configuration: {', '.join(changes)}")
+    if args.fresh_optimizer:
+      say(f"--fresh-optimizer: the optimizer state starts anew at step {meta['batches_seen']}")
     return ckpt, state, meta
   except BaseException:
     ckpt.close()
@@ -938,12 +952,14 @@ def _train_one(
   ckpt = None
   first_epoch, skip_batches = 0, 0
   resume_step = None
+  optimizer_start = 0  # the step the optimizer state (and its lr schedule) started at
   if args.checkpoint_dir:
     ckpt, restored, meta = _open_checkpoints(args, strategy, trainer, say, data)
     if restored is not None:
       state = restored
       step, first_epoch, skip_batches = meta["batches_seen"], meta["epoch"], meta["batch"]
       resume_step = step
+      optimizer_start = step if args.fresh_optimizer else meta.get("optimizer_start", 0)
       running.update(meta.get("running", {}))  # older checkpoints: from the resume on
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
@@ -997,7 +1013,7 @@ def _train_one(
       sums["epoch_loss"] = [0.0, 0]
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
             "batch_size": args.batch_size, "config": _run_config(args, data),
-            "running": sums}  # fmt: skip
+            "running": sums, "optimizer_start": optimizer_start}  # fmt: skip
 
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
@@ -1013,7 +1029,7 @@ def _train_one(
       "loss": total / finite_steps if finite_steps else loss,
       "grad_norm": float(metrics["grad_norm"]),
       "examples_per_s": window_examples / window_seconds,
-      "learning_rate": float(lr_schedule(step - 1)),
+      "learning_rate": float(lr_schedule(step - 1 - optimizer_start)),
       "skipped_steps": running["skipped_steps"],
     }
     if skipped and skipped[-1] > step - window_steps:

@@ -1321,6 +1321,11 @@ class Trainer:
   def import_state(self, exported: dict[str, Any]) -> TrainState:
     """Places a state from `export_state` (of any strategy) with this trainer's layout.
 
+    Without `"opt_state"` (or with `None` there), the optimizer state starts
+    anew: this trainer's `optimizer.init` of the imported params, as `init`
+    lays it out (e.g. to continue a run with another optimizer; its
+    learning-rate schedule, and Adam's bias correction, start from step 0).
+
     Raises:
       ValueError: if its params, rng or model state do not match this trainer's.
     """
@@ -1337,9 +1342,15 @@ class Trainer:
     if mismatch is not None:
       raise ValueError(f"The saved state does not fit this model: {mismatch}.")
 
+    fresh = exported.get("opt_state") is None
+    exported = {**exported, "opt_state": None} if fresh else exported
+
     def place(exported):
       stored = plan.to_stored(exported["params"])
-      opt_state = trees.map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
+      if fresh:
+        opt_state = self.optimizer.init(stored)
+      else:
+        opt_state = trees.map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
       return TrainState(
         jnp.asarray(exported["step"], jnp.int32),
         stored,
