@@ -51,17 +51,25 @@ def _losses(path):
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_stop_and_resume_is_bit_identical(tmp_path):
-  straight = _cli("--steps", "40", "--checkpoint-dir", str(tmp_path / "a"), "--save-every", "20",
-                  "--metrics", str(tmp_path / "a.jsonl"))  # fmt: skip
-  assert straight.returncode == 0, straight.stderr
-  first = _cli("--steps", "30", "--checkpoint-dir", str(tmp_path / "b"), "--save-every", "10",
-               "--metrics", str(tmp_path / "b1.jsonl"))  # fmt: skip
-  assert first.returncode == 0, first.stderr
-  resumed = _cli("--steps", "40", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
-                 "--metrics", str(tmp_path / "b2.jsonl"))  # fmt: skip
-  assert resumed.returncode == 0, resumed.stderr
-  assert "resumed from" in resumed.stdout and "at step 30 (epoch 2, batch 10)" in resumed.stdout
+def test_stop_and_resume_is_bit_identical(tmp_path, capsys):
+  from parstrat._src import cli
+
+  def train(*args):
+    assert cli.main([*TRAIN, *args]) == 0
+    return capsys.readouterr().out
+
+  def epoch_2(out):
+    return next(line for line in out.splitlines() if line.startswith("epoch 2:"))
+
+  straight = train("--steps", "40", "--checkpoint-dir", str(tmp_path / "a"), "--save-every",
+                   "20", "--metrics", str(tmp_path / "a.jsonl"))  # fmt: skip
+  train("--steps", "30", "--checkpoint-dir", str(tmp_path / "b"), "--save-every", "10",
+        "--metrics", str(tmp_path / "b1.jsonl"))  # fmt: skip
+  resumed = train("--steps", "40", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                  "--metrics", str(tmp_path / "b2.jsonl"))  # fmt: skip
+  assert "resumed from" in resumed and "at step 30 (epoch 2, batch 10)" in resumed
+  # The epoch's loss (the mean of its 20 steps) and eval accuracy, to the last digit.
+  assert epoch_2(resumed) == epoch_2(straight) and "(mean of 20 steps)" in epoch_2(straight)
   a, b2 = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b2.jsonl")
   assert sorted(b2) == list(range(31, 41))
   assert [b2[s] for s in range(31, 41)] == [a[s] for s in range(31, 41)]  # exactly equal
