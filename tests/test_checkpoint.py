@@ -97,14 +97,20 @@ def test_resume_errors_are_one_line(tmp_path, capsys):
 MODEL = hk.transform(lambda x: hk.nets.MLP([32, 24, 16, 10], activation=jax.nn.swish)(x))
 
 
-def test_a_checkpoint_moves_between_strategies_and_device_counts(tmp_path):
-  images, labels = parstrat.testing.random_batches(10, 32, features=20)
+def _adam_run_saved(directory, steps, batches):
+  """`MODEL` trained `steps` steps with Adam on 8 devices and saved: (trainer, state, data)."""
+  images, labels = parstrat.testing.random_batches(batches, 32, features=20)
   trainer = parstrat.DataParallel(data=8)(MODEL, optax.adam(1e-2))
   state = trainer.init(jax.random.key(0), images[0][:1])
-  for i in range(5):
+  for i in range(steps):
     state, _ = trainer.step(state, (images[i], labels[i]))
-  with Checkpointer(tmp_path) as ckpt:
+  with Checkpointer(directory) as ckpt:
     assert ckpt.save(trainer, state, {"epoch": 0}, force=True)
+  return trainer, state, (images, labels)
+
+
+def test_a_checkpoint_moves_between_strategies_and_device_counts(tmp_path):
+  trainer, state, (images, labels) = _adam_run_saved(tmp_path, steps=5, batches=10)
   expected = []
   for i in range(5, 10):
     state, metrics = trainer.step(state, (images[i], labels[i]))
@@ -181,13 +187,7 @@ def test_killing_a_save_leaves_the_previous_checkpoint_readable(tmp_path):
 
 
 def test_fresh_optimizer_restores_everything_but_the_optimizer_state(tmp_path):
-  images, labels = parstrat.testing.random_batches(3, 32, features=20)
-  trainer = parstrat.DataParallel(data=8)(MODEL, optax.adam(1e-2))
-  state = trainer.init(jax.random.key(0), images[0][:1])
-  for i in range(2):
-    state, _ = trainer.step(state, (images[i], labels[i]))
-  with Checkpointer(tmp_path) as ckpt:
-    ckpt.save(trainer, state, {"epoch": 0}, force=True)
+  trainer, state, (images, labels) = _adam_run_saved(tmp_path, steps=2, batches=3)
   saved = jax.device_get(trainer.export_state(state))
   # Clipping + momentum has other leaves than Adam; adamw has Adam's leaves in another
   # tree (an extra EmptyState), which orbax alone finds.
