@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import shutil
 import struct
 
 import numpy as np
@@ -58,6 +59,11 @@ def data(batch_size, seed):
 def short_last(batch_size, seed):  # 4 batches an epoch, the last one half a batch
   train, evaluation = data(batch_size, seed)
   return train[:3] + [tuple(a[: batch_size // 2] for a in train[3])], evaluation
+
+
+def two_shapes(batch_size, seed):  # a whole batch, then half a batch
+  train, evaluation = short_last(batch_size, seed)
+  return train[2:], evaluation
 
 
 def nan_second(batch_size, seed):  # the second batch's inputs are NaN: its update is skipped
@@ -443,20 +449,34 @@ def test_throughput_counts_a_short_batchs_rows_and_leaves_out_every_compiling_st
   # Timed: epoch 1's steps 2 and 3 (8 rows each) and all of epoch 2 (8 + 8 + 8 + 4).
   assert "over the 6 steps (44 examples) that reused a compiled step; not timed: the 2 " in out
   assert "steps that compiled for a new batch shape, on 2 of 2 cpu devices" in out
+  # Two steps, each compiling: nothing to time (it said "only the first step ran").
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:two_shapes") == 0  # fmt: skip
+  out = capsys.readouterr().out
+  assert "throughput: not measured (each of the 2 steps compiled for a new batch shape)" in out
 
 
 def test_skipped_updates_are_counted_across_a_resume(tmp_path, monkeypatch, capsys):
+  # Step 2 is skipped; a row every 3 steps. The first leg's end at step 3 is lost (its
+  # checkpoint deleted, as in a crash before the save), so the run resumes at 2, in
+  # the middle of the row for steps 1..3, which must still be marked as skipping one.
   run = ["--model-fn", "mymodel:model", "--dataset", "mymodel:nan_second", "--out", "run",
-         "--checkpoint-dir", "ck", "--save-every", "1"]  # fmt: skip
+         "--checkpoint-dir", "ck", "--save-every", "2", "--log-every", "3"]  # fmt: skip
   assert _user_run(tmp_path, monkeypatch, *run, "--steps", "3") == 0
   assert "skipped 1 update(s) with non-finite loss or gradients: steps [2]" in (
     capsys.readouterr().out
   )
-  assert _user_run(tmp_path, monkeypatch, *run, "--steps", "5", "--resume") == 0
+  shutil.rmtree(tmp_path / "ck" / "3")
+  assert _user_run(tmp_path, monkeypatch, *run, "--steps", "6", "--resume") == 0
   out = capsys.readouterr().out
+  assert "at step 2" in out
   assert "skipped 1 update(s) with non-finite loss or gradients, all before the resume" in out
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert [r["skipped_steps"] for r in rows if "loss" in r] == [0, 1, 1, 1, 1]
+  rows = [r for r in rows if "loss" in r]
+  assert [(r["step"], r["skipped_steps"], r.get("skipped")) for r in rows] == [
+    (3, 1, True),
+    (6, 1, None),
+  ]
 
 
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():

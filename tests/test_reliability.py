@@ -320,6 +320,9 @@ def test_resume_with_another_optimizer_is_refused_in_one_line_naming_the_change(
   assert "--fresh-optimizer restarts the optimizer of a resumed run: add --resume" in (
     _one_line(capsys.readouterr().err)
   )
+  cosine = [*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--lr-schedule", "cosine"]
+  assert cli.main([*cosine, "--fresh-optimizer", "--steps", "6"]) == 2
+  assert "pass --schedule-steps N, its length from there" in _one_line(capsys.readouterr().err)
   adamw = [*TRAIN, "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "adamw",
            "--lr", "0.1", "--warmup-steps", "4"]  # fmt: skip
   assert cli.main([*adamw, "--steps", "6", "--allow-config-change", "--fresh-optimizer"]) == 0

@@ -550,6 +550,11 @@ def _check_paths(args: argparse.Namespace) -> None:
     raise UsageError("--resume continues the checkpoints that --overwrite would delete: pick one")
   if args.fresh_optimizer and not args.resume:
     raise UsageError("--fresh-optimizer restarts the optimizer of a resumed run: add --resume")
+  if args.fresh_optimizer and args.lr_schedule == "cosine" and not args.schedule_steps:
+    raise UsageError(
+      "--fresh-optimizer starts the cosine schedule again at the resumed step: pass "
+      "--schedule-steps N, its length from there (it would decay over the whole run's length)"
+    )
   if args.checkpoint_dir is not None:
     directory = pathlib.Path(args.checkpoint_dir)
     _check_writable_dir(directory, "--checkpoint-dir")
@@ -694,8 +699,6 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     changes = _resumable_changes(args, meta, data)
     if changes:
       say(f"resuming with a changed configuration: {', '.join(changes)}")
-    if args.fresh_optimizer:
-      say(f"--fresh-optimizer: the optimizer state starts anew at step {meta['batches_seen']}")
     return ckpt, state, meta
   except BaseException:
     ckpt.close()
@@ -947,7 +950,8 @@ def _train_one(
   skipped: list[int] = []  # this session's skipped steps
   # Sums that span checkpoints: kept in each checkpoint's meta, so that a resumed run's
   # epoch loss, logged rows and skipped count are those of the run it continues.
-  running = {"epoch_loss": [0.0, 0], "window_loss": [0.0, 0], "skipped_steps": 0}
+  running = {"epoch_loss": [0.0, 0], "window_loss": [0.0, 0], "skipped_steps": 0,
+             "last_row_step": 0, "last_skipped_step": 0}  # fmt: skip
   accuracy = None
   ckpt = None
   first_epoch, skip_batches = 0, 0
@@ -974,7 +978,8 @@ def _train_one(
     raise UsageError(f"metrics file {metrics_path}: {e}") from None
   records = history.records
   if any(r["step"] == resume_step and "loss" in r for r in records):
-    running["window_loss"] = [0.0, 0]  # the run that saved it logged its last steps' row
+    # The run that saved it logged its last steps' row after the save.
+    running["window_loss"], running["last_row_step"] = [0.0, 0], resume_step
   # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
   purge = None if resume_step is None else resume_step + 1
   if args.overwrite and log_dir is not None:  # the old run's curves go with it
@@ -1004,6 +1009,8 @@ def _train_one(
       f"resumed from {ckpt.directory} at step {step} (epoch {first_epoch + 1}, "
       f"batch {skip_batches})"
     )
+    if args.fresh_optimizer:
+      say(f"--fresh-optimizer: the optimizer state starts anew at step {step}")
 
   def position(epoch: int, batch: int) -> dict:
     sums = {key: list(value) if isinstance(value, list) else value
@@ -1032,12 +1039,12 @@ def _train_one(
       "learning_rate": float(lr_schedule(step - 1 - optimizer_start)),
       "skipped_steps": running["skipped_steps"],
     }
-    if skipped and skipped[-1] > step - window_steps:
+    if running["last_skipped_step"] > running["last_row_step"]:
       row["skipped"] = True
     record(row)
     if args.no_progress and args.log_every > 1:
       say(f"step {step}: loss {row['loss']:.4f}, lr {row['learning_rate']:.3g}")
-    running["window_loss"] = [0.0, 0]
+    running["window_loss"], running["last_row_step"] = [0.0, 0], step
     window_steps, window_examples, window_seconds = 0, 0, 0.0
 
   epoch = first_epoch
@@ -1095,6 +1102,7 @@ def _train_one(
             )
           skipped.append(step)
           running["skipped_steps"] += 1
+          running["last_skipped_step"] = step
         else:
           for key in ("window_loss", "epoch_loss"):
             total, finite_steps = running[key]
@@ -1166,6 +1174,10 @@ def _train_one(
         f"({timed_examples:,} examples) that reused a compiled step; not timed: the "
         f"{len(batch_shapes)} steps that compiled for a new batch shape"
       )
+  elif len(batch_shapes) > 1:
+    throughput = (
+      f"not measured (each of the {len(batch_shapes)} steps compiled for a new batch shape)"
+    )
   else:
     throughput = "not measured (only the first, compiling, step ran)"
   say(f"throughput: {throughput}, on {used} of {len(devices) or used} {platform} devices")
