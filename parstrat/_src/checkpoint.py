@@ -8,10 +8,14 @@ is used instead.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pathlib
+import sys
+import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -269,7 +273,8 @@ class Checkpointer:
       unverified = problem == "has no manifest"
       if problem is None or unverified:
         try:
-          restored = self._restore(candidate, template, abstract, fresh_optimizer)
+          with _quiet_orbax_callbacks_after_a_failed_read():
+            restored = self._restore(candidate, template, abstract, fresh_optimizer)
         except _DoesNotFit:
           raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
@@ -358,6 +363,43 @@ class Checkpointer:
         "optimizer: its optimizer state has another tree structure (another optimizer, "
         "clipping or weight decay?)."
       ) from None
+
+
+@contextlib.contextmanager
+def _quiet_orbax_callbacks_after_a_failed_read() -> Iterator[None]:
+  """Drops the "Event loop is closed" errors orbax's reads leave when one fails.
+
+  When a file of a checkpoint is missing, orbax's restore raises (and `restore`
+  falls back to an older checkpoint), but the reads still in flight then fail
+  one after another and call back into the event loop orbax has closed: each
+  printed "Exception ignored in: None ... RuntimeError: Event loop is closed"
+  to stderr, a dozen tracebacks for one handled error. After a failed read this
+  waits until they have stopped for 0.2 s (they come within milliseconds; at
+  most 2 s), dropping them. Any other unraisable error goes to the hook in
+  place before.
+  """
+  previous = sys.unraisablehook
+  last_dropped = [time.monotonic()]
+
+  def hook(unraisable: Any) -> None:
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      last_dropped[0] = time.monotonic()
+    else:
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  except BaseException:
+    failed = time.monotonic()
+    last_dropped[0] = max(last_dropped[0], failed)
+    deadline = failed + 2.0
+    while time.monotonic() < min(deadline, last_dropped[0] + 0.2):
+      time.sleep(0.01)
+    raise
+  finally:
+    sys.unraisablehook = previous
 
 
 def _sha256(path: pathlib.Path) -> str:
