@@ -318,13 +318,13 @@ class Checkpointer:
     )
     if mismatch is not None:
       raise _DoesNotFit(f"The checkpoint at step {step} does not fit this model: {mismatch}.")
-    if fresh_optimizer:
-      template = {k: v for k, v in template.items() if k != "opt_state"}
-      abstract = {k: v for k, v in abstract.items() if k != "opt_state"}
-    mismatch = trees.first_mismatch(
-      {k: v for k, v in saved.tree.items() if not (fresh_optimizer and k == "opt_state")},
-      template,
-    )
+    saved_tree = saved.tree
+    if fresh_optimizer:  # compared and read without the optimizer state
+      saved_tree, template, abstract = (
+        {k: v for k, v in tree.items() if k != "opt_state"}
+        for tree in (saved_tree, template, abstract)
+      )
+    mismatch = trees.first_mismatch(saved_tree, template)
     if mismatch is not None:
       if mismatch.startswith("opt_state"):
         raise OptimizerDoesNotFit(

@@ -1343,7 +1343,6 @@ class Trainer:
       raise ValueError(f"The saved state does not fit this model: {mismatch}.")
 
     fresh = exported.get("opt_state") is None
-    exported = {**exported, "opt_state": None} if fresh else exported
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
