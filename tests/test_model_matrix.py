@@ -55,7 +55,17 @@ STRATEGIES = {
   "pipeline:2,exchange2": lambda: parstrat.PipelineModelParallel(
     stages=2, microbatches=4, exchange_every=2, activations="save"
   ),
+  # ZB-H1: its I and W passes are cut out of each stage's backward (backward_split).
+  "pipeline:4,zb_h1": lambda: parstrat.PipelineModelParallel(
+    stages=4, microbatches=4, schedule="zb_h1"
+  ),
+  "pipeline:2,zb_h1,dots": lambda: parstrat.PipelineModelParallel(
+    stages=2, microbatches=4, schedule="zb_h1", activations="dots_saveable"
+  ),
   "hybrid:2x2x2": lambda: parstrat.Hybrid(data=2, stages=2, model=2),
+  "hybrid:2x2x2,zb_h1": lambda: parstrat.Hybrid(
+    data=2, stages=2, model=2, microbatches=4, schedule="zb_h1"
+  ),
   "hybrid:4x2": lambda: parstrat.Hybrid(data=4, stages=2),
   "auto:8": lambda: parstrat.Auto(
     candidates=("data_parallel", "tensor"), verbose=False, batch_size=BATCH
@@ -117,6 +127,10 @@ EXPECTED = {
   ("pipeline:2,exchange2", "lm_untied", "adam"): MATCH,
   ("pipeline:2,exchange2", "residual_mlp", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "dropout", "sgd_momentum"): NO_RNG,
+  ("pipeline:4,zb_h1", "residual_mlp", "clip_sgd"): MATCH,
+  ("pipeline:4,zb_h1", "mlp", "adam"): MATCH,
+  ("pipeline:2,zb_h1,dots", "lm_untied", "sgd_momentum"): MATCH,
+  ("pipeline:2,zb_h1,dots", "cnn", "multisteps"): MATCH,
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
   ("hybrid:4x2", "mlp_layernorm", "adamw_mask"): FLAT_BUFFER,
@@ -126,6 +140,8 @@ EXPECTED = {
   ("hybrid:2x2x2", "lm_untied", "adam"): MATCH,
   ("hybrid:2x2x2", "shared", "adam"): MATCH,
   ("hybrid:4x2", "dropout", "clip_sgd"): NO_RNG,
+  ("hybrid:2x2x2,zb_h1", "lm_untied", "sgd_momentum"): MATCH,
+  ("hybrid:2x2x2,zb_h1", "residual_mlp", "adam"): MATCH,
   # auto
   ("auto:8", "mlp", "multisteps"): MATCH,
   ("auto:4", "mlp_layernorm", "adamw_mask"): MATCH,

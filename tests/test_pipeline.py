@@ -9,11 +9,13 @@ import pytest
 from helpers import DEEP_MLP
 from helpers import SEED_MLP
 from helpers import mlp
+from jax import lax
 
 import parstrat
 import parstrat.testing
 from parstrat import pipeline
 from parstrat._src import hlo_check
+from parstrat._src.pipeline import backward_split
 from parstrat._src.pipeline import engine
 
 
@@ -335,12 +337,69 @@ def _forwards_per_step(schedule, activations):
 
 
 def test_backward_passes_rerun_the_forward_only_under_recompute():
-  # 1F1B's B reruns the forward once; ZB-H1's I and W rerun it each (3 runs on the
-  # stages 1..3, 2 on stage 0 that has no I pass: 2.75 on average); "save" runs each
-  # forward once.
+  # 1F1B's B reruns the forward once. So does ZB-H1's I pass, and its W pass reruns
+  # nothing: I hands W what it needs (it was 2.75 when I and W reran it each; stage 0,
+  # which has no input gradient, reruns it in W). "save" runs each forward once.
   assert _forwards_per_step("1f1b", "recompute") == 2
-  assert _forwards_per_step("zb_h1", "recompute") == 2.75
+  assert _forwards_per_step("zb_h1", "recompute") == 2
   assert _forwards_per_step("zb_h1", "save") == 1
+
+
+def _dots(fn, *args) -> int:
+  return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def test_a_weight_pass_runs_only_the_weight_gradient_products():
+  # A stage of three linear layers with a LayerNorm and a skip connection: its traced
+  # backward reruns 3 forward products and runs 3 input-gradient and 3 weight-gradient
+  # ones. Split, the W pass runs only the 3 weight-gradient products, the I pass the
+  # 3 input-gradient ones and the 2 forward ones whose outputs a gradient reads
+  # (nothing twice), and what I hands W is activation-sized, never a weight.
+  def stage(w, x):
+    h = jax.nn.swish(x @ w[0])
+    h = h + jax.nn.swish(h @ w[1])  # skip connection
+    h = (h - h.mean(-1, keepdims=True)) * lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+    return h @ w[2]
+
+  def backward(w, x, dy):
+    d_w, d_x = jax.vjp(stage, w, x)[1](dy)
+    return d_w, d_x
+
+  rng = np.random.default_rng(0)
+  w = [jnp.asarray(rng.normal(size=(16, 16)), jnp.float32) for _ in range(3)]
+  x, dy = (jnp.asarray(rng.normal(size=(4, 16)), jnp.float32) for _ in range(2))
+  split = backward_split.split_backward(backward, w, x, dy)
+  assert _dots(backward, w, x, dy) == 9
+  handoff = [jnp.zeros(h.shape, h.dtype) for h in split.handoff]
+  assert _dots(split.weight_pass, handoff, w, x, dy) == 3
+  assert _dots(split.input_pass, w, x, dy) == 5
+  assert _dots(lambda *a: split.weight_pass(split.input_pass(*a)[1], *a), w, x, dy) == 8
+  assert split.handoff and all(h.shape[0] == 4 for h in split.handoff), split.handoff
+  d_x, handoff = split.input_pass(w, x, dy)
+  want_w, want_x = backward(w, x, dy)
+  np.testing.assert_allclose(d_x, want_x, rtol=1e-6)
+  for got, want in zip(split.weight_pass(handoff, w, x, dy), want_w, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  # A value both passes read that W can rebuild from its own inputs by moving data
+  # (here the reshaped stage input, which I needs for the gate's product rule and W
+  # for the first product's dW) is not handed off: I hands W only the first
+  # product's dY and the second product's X.
+  def gated(w, x):
+    x = x.reshape(4, 16)
+    return (x * jax.nn.sigmoid(x @ w[0])) @ w[1]
+
+  def gated_backward(w, x, dy):
+    return jax.vjp(gated, w, x)[1](dy)
+
+  x3 = x.reshape(4, 2, 8)
+  split = backward_split.split_backward(gated_backward, w[:2], x3, dy)
+  assert len(split.handoff) == 2, split.handoff
+  d_x, handoff = split.input_pass(w[:2], x3, dy)
+  want_w, want_x = gated_backward(w[:2], x3, dy)
+  np.testing.assert_allclose(d_x, want_x, rtol=1e-6)
+  for got, want in zip(split.weight_pass(handoff, w[:2], x3, dy), want_w, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_gpipe_keeps_an_input_or_residuals_per_microbatch_never_its_params():

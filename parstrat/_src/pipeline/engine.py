@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from parstrat._src.pipeline import backward_split as backward_split_lib
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline import schedule as schedule_lib
@@ -532,8 +533,13 @@ def pipeline_loss_and_grad(
                     forward kept in saved[slot]), pull back the gradient that
                     arrived from stage g+1 (or the loss / M on the last stage),
                     add d params[j] to the gradients in place, send d input back
-          BACKWARD_INPUT:  the same, but only d input (nothing for stage 0)
-          BACKWARD_WEIGHT: the same, but only d params[j]
+          BACKWARD_INPUT:  only the part of the backward that d input needs
+                    (nothing for stage 0); write into pending[slot] the
+                    values the rest reads of it (e.g. every linear layer's
+                    dY, and its X when the forward was rerun)
+          BACKWARD_WEIGHT: the rest: d params[j] from pending[slot] (dW = X^T dY),
+                    no forward and no gradient chain rerun (stage 0: its
+                    whole weight backward)
           IDLE:     nothing
       exchange: send the exchange's one activation on and one gradient back
       (`bubble_value` where its ticks computed none; at K = 1 the tick's one
@@ -649,6 +655,37 @@ def pipeline_loss_and_grad(
   common = cut_common(layout, block)
   sliced = any(layout.owns_unshared(g) for g in range(G))
 
+  # Split I and W passes (ZB-H1): for every model stage after the first, the whole
+  # backward is cut into the part the input gradient needs (I) and the rest (W), and I
+  # hands W the values W reads of its part (`backward_split`): W then runs only the
+  # weight-gradient products, not the forward and the gradient chain again. (Stage 0's
+  # I pass has no input gradient to compute: its W runs its whole weight backward.)
+  splits: dict[int, backward_split_lib.BackwardSplit] = {}
+  for action, g in keys:
+    if action == Action.BACKWARD_INPUT and g > 0:
+
+      def whole_backward(row, common, act, grad, res, x, y, g=g):
+        d_row, d_common, d_act = backward(Action.BACKWARD, g, row, common, act, grad, res, x, y)
+        return (d_row, d_common), d_act
+
+      j = g // P
+      splits[g] = backward_split_lib.split_backward(
+        whole_backward,
+        _chunk(block, j),
+        common[j],
+        zero_act,
+        zero_act,
+        tuple(slot) if g in residuals else None,
+        None,
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ys)
+        if g == G - 1
+        else None,
+      )
+  handoff_slot, num_handoff = schedule.handoff_slots()
+  handoff = residuals_lib.slot_format(
+    [residuals_lib.Residuals(None, (), split.handoff) for split in splits.values()]
+  )
+
   # Each branch takes the gradient accumulators and the residual slots and returns
   # them, adding its chunk's gradient in place in B and W passes only, writing a
   # residual slot in place in F passes only: no tick adds or builds a zero buffer the
@@ -657,10 +694,10 @@ def pipeline_loss_and_grad(
   # unchanged does not copy it.) The stash and the inbox are read-only operands,
   # written once per exchange.
   def branch(action: Action, g: int):
-    def run(block, common, grads, stash, inbox, saved, slots, xs, ys):
+    def run(block, common, grads, stash, inbox, saved, pending, slots, xs, ys):
       if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, grads, saved, zero_loss  # (the batch has no gradient)
-      a_slot, g_slot, r_slot, m = slots
+        return fill, grads, saved, pending, zero_loss  # (the batch has no gradient)
+      a_slot, g_slot, r_slot, h_slot, m = slots
       # Only the first stage reads the microbatch's inputs, only the last its targets.
       x = _microbatch(xs, m) if g == 0 else None
       y = _microbatch(ys, m) if g == G - 1 else None
@@ -670,7 +707,7 @@ def pipeline_loss_and_grad(
       if action == Action.FORWARD:
         if g not in residuals:
           out, loss = staged.forward(g, row, act, x, y, own_common)
-          return out, grads, saved, loss
+          return out, grads, saved, pending, loss
         leaves, inp = staged.stage_inputs(g, row, act, x, own_common)
         out, loss, res = residuals_lib.forward_saving(
           staged, g, leaves, inp, y, dtype, activations, slot
@@ -679,10 +716,23 @@ def pipeline_loss_and_grad(
           lax.dynamic_update_index_in_dim(part, r, r_slot, 0)
           for part, r in zip(saved, res, strict=True)
         )
-        return out, grads, saved, loss
+        return out, grads, saved, pending, loss
       grad = _read(inbox, g_slot)
       res = tuple(_read(part, r_slot) for part in saved) if g in residuals else None
-      d_row, d_common, d_act = backward(action, g, row, own_common, act, grad, res, x, y)
+      args = (row, own_common, act, grad, res, x, y)
+      if action == Action.BACKWARD_INPUT and g in splits:
+        d_act, values = splits[g].input_pass(*args)
+        pending = tuple(
+          lax.dynamic_update_index_in_dim(part, value, h_slot, 0)
+          for part, value in zip(pending, residuals_lib.pack(values, handoff), strict=True)
+        )
+        return d_act, grads, saved, pending, zero_loss
+      if action == Action.BACKWARD_WEIGHT and g in splits:
+        packed = tuple(_read(part, h_slot) for part in pending)
+        values = residuals_lib.unpack(packed, splits[g].handoff)
+        (d_row, d_common), d_act = splits[g].weight_pass(values, *args), None
+      else:
+        d_row, d_common, d_act = backward(action, g, *args)
       if action != Action.BACKWARD_INPUT:
         row_grads, common_grads = grads
         if layout.owns_unshared(g):
@@ -691,7 +741,7 @@ def pipeline_loss_and_grad(
         grads = row_grads, (*common_grads[:j], added, *common_grads[j + 1 :])
       if action == Action.BACKWARD_WEIGHT:
         d_act = fill
-      return d_act, grads, saved, zero_loss
+      return d_act, grads, saved, pending, zero_loss
 
     return run
 
@@ -702,18 +752,19 @@ def pipeline_loss_and_grad(
   K = schedule.exchange_every
   sends = np.vectorize(schedule_lib.sends)(schedule.action, np.maximum(schedule.model_stage, 0), G)
   tables = jnp.concatenate([tables, jnp.asarray(np.stack(sends).astype(np.int32))])
+  tables = jnp.concatenate([tables, jnp.asarray(handoff_slot[None])])
 
   def exchange(e, carry):
     """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""
-    stash, inbox, saved, grads, loss = carry
+    stash, inbox, saved, pending, grads, loss = carry
     send_act = send_grad = fill
     for k in range(K):
       t = e * K + k
-      index, m, a_slot, g_slot, _, _, r_slot, sends_act, sends_grad = (
-        tables[i, t, stage] for i in range(9)
+      index, m, a_slot, g_slot, _, _, r_slot, sends_act, sends_grad, h_slot = (
+        tables[i, t, stage] for i in range(10)
       )
       # A pass sends at most one message (an activation on or a gradient back).
-      message, grads, saved, d_loss = lax.switch(
+      message, grads, saved, pending, d_loss = lax.switch(
         index,
         branches,
         block,
@@ -722,7 +773,8 @@ def pipeline_loss_and_grad(
         stash,
         inbox,
         saved,
-        (a_slot, g_slot, r_slot, m),
+        pending,
+        (a_slot, g_slot, r_slot, h_slot, m),
         xs,
         ys,
       )
@@ -735,19 +787,20 @@ def pipeline_loss_and_grad(
     last = e * K + K - 1  # the receive slots sit in the exchange's last tick
     stash = _put(stash, tables[4, last, stage], _shift(send_act, stage_axis, P, +1, cyclic))
     inbox = _put(inbox, tables[5, last, stage], _shift(send_grad, stage_axis, P, -1, cyclic))
-    return stash, inbox, saved, grads, loss
+    return stash, inbox, saved, pending, grads, loss
 
   carry = (
     jnp.full((schedule.num_act_slots + 1, mb, W), bubble_value, dtype),  # (+ a spare:
     jnp.full((schedule.num_grad_slots + 1, mb, W), bubble_value, dtype),  # see `_put`)
     tuple(jnp.zeros((num_res, *part.shape), part.dtype) for part in slot),
+    tuple(jnp.zeros((num_handoff, *part.shape), part.dtype) for part in handoff),
     (
       layout.constrain(jax.tree.map(jnp.zeros_like, block)) if sliced else None,
       jax.tree.map(jnp.zeros_like, common),
     ),
     zero_loss,
   )
-  _, _, _, (row_grads, common_grads), loss = lax.fori_loop(
+  _, _, _, _, (row_grads, common_grads), loss = lax.fori_loop(
     0, schedule.num_exchanges, exchange, carry
   )
   loss = lax.psum(loss, stage_axis) / M

@@ -125,7 +125,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   closed = jax.make_jaxpr(flat_apply)(leaves, inputs)
   if any(_call_body(eqn) is not None for eqn in closed.jaxpr.eqns):
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    closed = jax.make_jaxpr(functools.partial(_eval_inlined, closed.jaxpr, closed.consts))(*avals)
+    closed = jax.make_jaxpr(functools.partial(eval_inlined, closed.jaxpr, closed.consts))(*avals)
   jaxpr = closed.jaxpr
   jaxpr = jaxpr.replace(
     eqns=_sink_parameter_math(jaxpr.eqns, [*jaxpr.invars[: len(leaves)], *jaxpr.constvars])
@@ -163,7 +163,7 @@ def _call_body(eqn) -> jex.ClosedJaxpr | None:
   return body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ())
 
 
-def _eval_inlined(jaxpr, consts, *args) -> list[Any]:
+def eval_inlined(jaxpr, consts, *args) -> list[Any]:
   """`jax.core.eval_jaxpr`, with the bodies of `_call_body` equations evaluated in line."""
   env: dict[Any, Any] = {}
 
@@ -176,7 +176,7 @@ def _eval_inlined(jaxpr, consts, *args) -> list[Any]:
     values = [read(v) for v in eqn.invars]
     body = _call_body(eqn)
     if body is not None:
-      outs = _eval_inlined(body.jaxpr, body.consts, *values)
+      outs = eval_inlined(body.jaxpr, body.consts, *values)
     else:
       bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before JAX 0.7
       subfuns, params = bound if isinstance(bound, tuple) else ((), bound)

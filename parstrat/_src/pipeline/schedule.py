@@ -184,12 +184,13 @@ THEORY: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
 }
 
 #: What each pass costs on the engine, in forwards of one stage (a backward
-#: costs about two forwards, and each backward pass first reruns the forward).
+#: costs about two forwards, and B and I first rerun the forward; W runs only the
+#: weight-gradient products, from what I handed it: `backward_split`).
 RECOMPUTE_COST = {
   Action.FORWARD: 1.0,
   Action.BACKWARD: 3.0,
   Action.BACKWARD_INPUT: 2.0,
-  Action.BACKWARD_WEIGHT: 2.0,
+  Action.BACKWARD_WEIGHT: 1.0,
 }
 
 #: The same with activations="save": no pass reruns the forward (I and W each
@@ -366,11 +367,25 @@ class Schedule:
       slots per device)`: (stage, microbatch) holds its slot from its forward to
       its last backward pass.
     """
+    return self._slots(self.action != Action.IDLE)
+
+  def handoff_slots(self) -> tuple[np.ndarray, int]:
+    """Slots for what an input-gradient pass (I) hands to its weight-gradient pass (W).
+
+    Returns:
+      `([T, P] slot each I writes and each W reads, -1 elsewhere; slots per
+      device)`: (stage, microbatch) holds its slot from its I to its W pass.
+    """
+    split = (self.action == Action.BACKWARD_INPUT) | (self.action == Action.BACKWARD_WEIGHT)
+    return self._slots(split)
+
+  def _slots(self, used: np.ndarray) -> tuple[np.ndarray, int]:
+    """Per device, a slot for each (chunk, microbatch) from its first to its last `used` tick."""
     slot = np.full(self.action.shape, -1, np.int32)
     most = 1
     for s in range(self.stages):
       ticks: dict[tuple[int, int], list[int]] = {}
-      for t in np.flatnonzero(self.action[:, s] != Action.IDLE):
+      for t in np.flatnonzero(used[:, s]):
         ticks.setdefault((int(self.chunk[t, s]), int(self.microbatch[t, s])), []).append(int(t))
       slots, n = _allocate({key: (min(ts), max(ts)) for key, ts in ticks.items()})
       most = max(most, n)
