@@ -299,6 +299,9 @@ def test_1f1b_holds_p_activation_slots_not_m():
   one_f = _compiled_cost(2 * M)[0] - _compiled_cost(M)[0]
   assert gpipe >= M, gpipe
   assert one_f < 1, one_f
+  # ZB-H1 too, with the values each I pass hands its W pass in slots of their own.
+  zero_bubble = _compiled_cost(2 * M, "zb_h1")[0] - _compiled_cost(M, "zb_h1")[0]
+  assert zero_bubble < 1, zero_bubble
 
 
 def test_activation_policies_trade_memory_for_compute():

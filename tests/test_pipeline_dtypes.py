@@ -58,6 +58,26 @@ def test_gpipe_sends_bfloat16_both_ways_and_matches_one_device():
   )
 
 
+def test_zero_bubble_hands_mixed_dtypes_from_i_to_w_and_matches_one_device():
+  # Under mixed bfloat16 what ZB-H1's I pass hands its W pass mixes bfloat16 activations
+  # and gradients with float32 values (the loss's backward): each dtype has its own part
+  # of a handoff slot, as of a residual slot.
+  for activations in ("recompute", "save"):
+    parstrat.testing.check_strategy(
+      parstrat.PipelineModelParallel(
+        stages=2, microbatches=4, schedule="zb_h1", activations=activations
+      ),
+      MODEL,
+      [optax.sgd(0.1)],
+      steps=3,
+      batch=8,
+      features=FEATURES,
+      precision="mixed_bfloat16",
+      rtol=1e-3,
+      atol=1e-3,  # bfloat16: see tests/test_precision_and_accumulation.py
+    )
+
+
 def test_params_in_bfloat16_with_float32_compute_match_one_device():
   policy = "params=bfloat16,compute=float32,output=float32"
   trainer = parstrat.PipelineModelParallel(stages=2)(MODEL, optax.sgd(0.1), precision=policy)
