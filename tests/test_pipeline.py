@@ -405,6 +405,64 @@ def test_a_weight_pass_runs_only_the_weight_gradient_products():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _scanned_stack(x, layers=8, width=256):
+  # Layers as one `lax.scan` over stacked weights (what `hk.layer_stack` builds): the
+  # scan's transpose computes the stack's weight gradient and the input gradient in
+  # one equation.
+  x = jnp.tanh(hk.Linear(width)(x))
+  w = hk.get_parameter("stack", (layers, width, width), init=hk.initializers.RandomNormal(0.05))
+  x = lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+  return hk.Linear(10)(x)
+
+
+def test_a_weight_pass_reruns_a_scan_rather_than_take_its_weight_gradient_from_i():
+  def backward(w, x, dy):
+    stage = lambda w, x: lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+    return jax.vjp(stage, w, x)[1](dy)
+
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(3, 16, 16)) * 0.3, jnp.float32)
+  x, dy = (jnp.asarray(rng.normal(size=(4, 16)), jnp.float32) for _ in range(2))
+  split = backward_split.split_backward(backward, w, x, dy)
+  # I hands W the scan's residuals (3 layers x the batch), never the stack's gradient;
+  # W reruns the backward scan, not the forward one.
+  assert split.handoff and all(h.shape[1] == 4 for h in split.handoff), split.handoff
+  handoff = [jnp.zeros(h.shape, h.dtype) for h in split.handoff]
+  eqns = jax.make_jaxpr(split.weight_pass)(handoff, w, x, dy).jaxpr.eqns
+  assert [e.primitive.name for e in eqns].count("scan") == 1, eqns
+  d_x, handoff = split.input_pass(w, x, dy)
+  want_w, want_x = backward(w, x, dy)
+  np.testing.assert_allclose(d_x, want_x, rtol=1e-6)
+  np.testing.assert_allclose(split.weight_pass(handoff, w, x, dy), want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_bubble_with_a_scanned_stack_matches_one_device_and_holds_no_weight_sized_handoff():
+  small = hk.transform(functools.partial(_scanned_stack, layers=3, width=16))
+  pipe = functools.partial(parstrat.PipelineModelParallel, stages=2, cuts=(1,))
+  parstrat.testing.check_strategy(
+    pipe(microbatches=4, schedule="zb_h1", bubble_value=float("nan")),
+    small,
+    [optax.sgd(0.1), optax.adam(1e-2)],
+    steps=2,
+    batch=16,
+    features=12,
+  )
+  # Handing the stack's gradient (2 MiB here) from I to W would keep one per handoff
+  # slot: ZB-H1's temporaries would exceed 1F1B's by 4 MiB, not by the residuals.
+  model, M = hk.transform(_scanned_stack), 8
+  batch = (
+    jax.ShapeDtypeStruct((8 * M, 16), jnp.float32),
+    jax.ShapeDtypeStruct((8 * M,), jnp.int32),
+  )
+  temp = {}
+  for schedule in ("1f1b", "zb_h1"):
+    trainer = pipe(microbatches=M, schedule=schedule)(model, optax.sgd(0.1))
+    state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+    compiled = trainer.lower(state, batch).compile()
+    temp[schedule] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+  assert temp["zb_h1"] - temp["1f1b"] < 1.0, temp
+
+
 def test_gpipe_keeps_an_input_or_residuals_per_microbatch_never_its_params():
   M = 8
   recompute, save = (_compiled_cost(M, "gpipe", a) for a in ("recompute", "save"))

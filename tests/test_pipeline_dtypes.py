@@ -2,7 +2,9 @@
 
 import re
 
+import haiku as hk
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from helpers import mlp
@@ -10,6 +12,7 @@ from helpers import mlp
 import parstrat
 import parstrat.testing
 from parstrat._src import precision as precision_lib
+from parstrat._src.pipeline import engine
 
 MODEL = mlp([32, 32, 10])
 FEATURES = 12
@@ -63,16 +66,44 @@ def _matches_one_device_in_mixed_bfloat16(strategy):
   )
 
 
-def test_zero_bubble_hands_mixed_dtypes_from_i_to_w_and_matches_one_device():
-  # Under mixed bfloat16 what ZB-H1's I pass hands its W pass mixes bfloat16 activations
-  # and gradients with float32 values (the loss's backward): each dtype has its own part
-  # of a handoff slot, as of a residual slot.
+def test_zero_bubble_hands_bfloat16_from_i_to_w_and_matches_one_device():
+  # Under mixed bfloat16 what ZB-H1's I pass hands its W pass is bfloat16.
   for activations in ("recompute", "save"):
     _matches_one_device_in_mixed_bfloat16(
       parstrat.PipelineModelParallel(
         stages=2, microbatches=4, schedule="zb_h1", activations=activations
       )
     )
+
+
+def _gathered(x):
+  # A later stage that gathers rows of a table by an argmax: its W pass reads the int32
+  # indices as well as float32 values.
+  x = jnp.tanh(hk.Linear(16)(x))
+  x = jnp.tanh(hk.Linear(16)(x))
+  table = hk.get_parameter("table", (16, 16), init=hk.initializers.RandomNormal(0.5))
+  index = jnp.argmax(hk.Linear(16, name="gate")(x), axis=-1)
+  return hk.Linear(10)(x * jnp.take(table, index, axis=0))
+
+
+def test_zero_bubble_hands_mixed_dtypes_from_i_to_w_and_matches_one_device(monkeypatch):
+  # Each dtype has its own part of a handoff slot, as of a residual slot.
+  handoffs = []
+  split_backward = engine.backward_split_lib.split_backward
+
+  def recording(*args):
+    split = split_backward(*args)
+    handoffs.append({h.dtype for h in split.handoff})
+    return split
+
+  monkeypatch.setattr(engine.backward_split_lib, "split_backward", recording)
+  strategy = parstrat.PipelineModelParallel(
+    stages=2, microbatches=4, schedule="zb_h1", cuts=(2,), bubble_value=float("nan")
+  )
+  parstrat.testing.check_strategy(
+    strategy, hk.transform(_gathered), [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES
+  )
+  assert {jnp.dtype("float32"), jnp.dtype("int32")} in handoffs, handoffs
 
 
 def test_params_in_bfloat16_with_float32_compute_match_one_device():

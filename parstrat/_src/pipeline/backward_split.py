@@ -19,7 +19,10 @@ one flat jaxpr and cuts its equations in two:
 A value both passes read that W can get by moving data only (slicing,
 reshaping, casting the pass's own inputs, e.g. a weight cut from the stage's
 flat parameter row or a residual unpacked from its slot) is recomputed in W,
-not handed off, so no parameter-sized value waits in a slot.
+not handed off, so no parameter-sized value waits in a slot. Likewise an
+equation of I with an output only W reads (the transpose of a `lax.scan` over
+stacked layers yields the stack's weight gradient with the input gradient) is
+rerun in W from its operands, not handed off.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -93,15 +96,18 @@ def _is_var(v) -> bool:
   return not isinstance(v, jex.Literal)
 
 
-def _needed(eqns: Sequence[Any], outs: Sequence[Any], keep: bool = False) -> set[int]:
-  """The indices of the equations `outs` depend on (and, with `keep`, of those with effects)."""
+def _needed(
+  eqns: Sequence[Any], outs: Sequence[Any], keep: bool = False
+) -> tuple[set[int], set[Any]]:
+  """The indices of the equations `outs` depend on (and, with `keep`, of those with
+  effects), and the variables they read."""
   need = {v for v in outs if _is_var(v)}
   kept = set()
   for i in range(len(eqns) - 1, -1, -1):
     if any(v in need for v in eqns[i].outvars) or (keep and eqns[i].effects):
       kept.add(i)
       need.update(v for v in eqns[i].invars if _is_var(v))
-  return kept
+  return kept, need
 
 
 def _sub_jaxpr(jaxpr, invars, outvars, eqns, name: str):
@@ -150,8 +156,19 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
   jaxpr, consts = closed.jaxpr, closed.consts
   eqns = jaxpr.eqns
   *weight_outs, input_out = jaxpr.outvars
-  in_input = _needed(eqns, [input_out], keep=True)
-  in_weight = _needed(eqns, weight_outs)
+  in_input, input_reads = _needed(eqns, [input_out], keep=True)
+  in_weight, weight_reads = _needed(eqns, weight_outs)
+  # An I equation with an output only W reads computes weight gradients together with
+  # the input gradient: a `lax.scan` over stacked layers (its transpose is one scan
+  # yielding both), a `lax.cond`, a `lax.while_loop`. Handing that output off would
+  # keep a weight-sized value per handoff slot; W reruns the equation instead, from
+  # its (activation-sized) operands.
+  rerun = {
+    i
+    for i in in_input & in_weight
+    if not eqns[i].effects
+    and any(v in weight_reads and v not in input_reads for v in eqns[i].outvars)
+  }
 
   # Values W can rebuild from its own inputs by moving data only.
   free = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -159,7 +176,9 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
     if eqn.primitive.name in _DATA_MOVES and all(v in free for v in eqn.invars if _is_var(v)):
       free.update(eqn.outvars)
   weight_eqns = [
-    i for i in sorted(in_weight) if i not in in_input or all(v in free for v in eqns[i].outvars)
+    i
+    for i in sorted(in_weight)
+    if i not in in_input or i in rerun or all(v in free for v in eqns[i].outvars)
   ]
   computed_in_w = {v for i in weight_eqns for v in eqns[i].outvars}
   handoff: list[Any] = []
