@@ -10,6 +10,7 @@ from helpers import DEEP_MLP
 from helpers import SEED_MLP
 from helpers import mlp
 from jax import lax
+from jax.extend import core as jex
 
 import parstrat
 import parstrat.testing
@@ -341,8 +342,8 @@ def _forwards_per_step(schedule, activations):
 
 def test_backward_passes_rerun_the_forward_only_under_recompute():
   # 1F1B's B reruns the forward once. So does ZB-H1's I pass, and its W pass reruns
-  # nothing: I hands W what it needs (it was 2.75 when I and W reran it each; stage 0,
-  # which has no input gradient, reruns it in W). "save" runs each forward once.
+  # nothing: I hands W what it needs (it was 2.75 when I and W reran it each). "save"
+  # runs each forward once.
   assert _forwards_per_step("1f1b", "recompute") == 2
   assert _forwards_per_step("zb_h1", "recompute") == 2
   assert _forwards_per_step("zb_h1", "save") == 1
@@ -350,6 +351,65 @@ def test_backward_passes_rerun_the_forward_only_under_recompute():
 
 def _dots(fn, *args) -> int:
   return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns)
+
+
+def _subjaxprs(eqn):
+  for value in eqn.params.values():
+    for j in value if isinstance(value, (list, tuple)) else [value]:
+      if isinstance(j, (jex.ClosedJaxpr, jex.Jaxpr)):
+        yield getattr(j, "jaxpr", j)
+
+
+def _all_dots(jaxpr) -> int:
+  return sum(
+    1 if e.primitive.name == "dot_general" else sum(map(_all_dots, _subjaxprs(e)))
+    for e in jaxpr.eqns
+  )
+
+
+def _products_per_pass(schedule, activations):
+  """The matrix products in each branch of the step's per-tick `lax.switch`.
+
+  On 8 layers of 16 x 16 over 4 stages (2 layers a stage), traced, not run.
+  """
+
+  def model(x):
+    for _ in range(8):
+      x = jax.nn.swish(hk.Linear(16)(x))
+    return x
+
+  strategy = parstrat.PipelineModelParallel(
+    stages=4, microbatches=4, schedule=schedule, activations=activations
+  )
+  trainer = strategy(hk.transform(model), optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  sharding = trainer._batch_sharding()
+  batch = (
+    jax.ShapeDtypeStruct((16, 16), jnp.float32, sharding=sharding),
+    jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharding),
+  )
+
+  def switches(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
+        yield [_all_dots(b.jaxpr) for b in e.params["branches"]]
+      for j in _subjaxprs(e):
+        yield from switches(j)
+
+  (branches,) = switches(trainer._compiled_step.trace(state, batch).jaxpr.jaxpr)
+  return branches
+
+
+def test_every_zero_bubble_pass_runs_at_most_one_product_per_layer_and_a_rerun():
+  # 2 layers a stage. 1F1B's B: 2 forward reruns, 2 dX and 2 dW products ("save": 4).
+  # ZB-H1's I: 2 reruns and 2 dX products (the first stage: 1, the batch has no
+  # gradient), W: the 2 dW products; "save": one product per layer in every pass. The
+  # first stage's W ran its whole weight backward (5 and 4) before I computed its
+  # gradient chain.
+  assert max(_products_per_pass("1f1b", "recompute")) == 6
+  assert max(_products_per_pass("1f1b", "save")) == 4
+  assert max(_products_per_pass("zb_h1", "recompute")) == 4
+  assert max(_products_per_pass("zb_h1", "save")) == 2
 
 
 def test_a_weight_pass_runs_only_the_weight_gradient_products():
@@ -382,6 +442,18 @@ def test_a_weight_pass_runs_only_the_weight_gradient_products():
   want_w, want_x = backward(w, x, dy)
   np.testing.assert_allclose(d_x, want_x, rtol=1e-6)
   for got, want in zip(split.weight_pass(handoff, w, x, dy), want_w, strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+  # Without the input gradient (a first stage, whose input is the batch), I computes
+  # only the chain both gradients share: the 2 forward reruns and the 2 input-gradient
+  # products the lower layers' dY need, not the first layer's dX.
+  first = backward_split.split_backward(backward, w, x, dy, input_gradient=False)
+  handoff = [jnp.zeros(h.shape, h.dtype) for h in first.handoff]
+  assert _dots(first.input_pass, w, x, dy) == 4
+  assert _dots(first.weight_pass, handoff, w, x, dy) == 3
+  nothing, handoff = first.input_pass(w, x, dy)
+  assert nothing is None
+  for got, want in zip(first.weight_pass(handoff, w, x, dy), want_w, strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
   # A value both passes read that W can rebuild from its own inputs by moving data

@@ -91,8 +91,8 @@ def test_zero_bubble_hands_mixed_dtypes_from_i_to_w_and_matches_one_device(monke
   handoffs = []
   split_backward = engine.backward_split_lib.split_backward
 
-  def recording(*args):
-    split = split_backward(*args)
+  def recording(*args, **kwargs):
+    split = split_backward(*args, **kwargs)
     handoffs.append({h.dtype for h in split.handoff})
     return split
 

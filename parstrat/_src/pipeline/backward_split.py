@@ -80,7 +80,7 @@ class BackwardSplit:
   """A backward cut into its input-gradient pass and its weight-gradient pass.
 
   Attributes:
-    input_pass: `(*args) -> (input gradient, handoff list)`.
+    input_pass: `(*args) -> (input gradient (None unless asked for), handoff list)`.
     weight_pass: `(handoff, *args) -> weight gradients` (the pytree the traced
       backward returned first), from the same `args` the input pass got.
     handoff: the shapes and dtypes of what the input pass hands to the weight
@@ -126,13 +126,19 @@ def _sub_jaxpr(jaxpr, invars, outvars, eqns, name: str):
   )
 
 
-def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> BackwardSplit:
+def split_backward(
+  backward: Callable[..., tuple[Any, Any]], *args: Any, input_gradient: bool = True
+) -> BackwardSplit:
   """Cuts `backward` into the input-gradient pass and the weight-gradient pass.
 
   Args:
-    backward: `(*args) -> (weight gradients (a pytree), input gradient (an array))`.
+    backward: `(*args) -> (weight gradients, input gradient)`, each a pytree.
     *args: its arguments, as arrays or `jax.ShapeDtypeStruct` pytrees (only
       their shapes and dtypes are used: it is traced, not run).
+    input_gradient: whether the input pass returns the input gradient. Without
+      it (a first stage, whose input is the batch), the input pass computes only
+      what the input gradient shares with the weight gradients (each layer's
+      output gradient), not the input's own products, and returns None for it.
 
   Returns:
     The `BackwardSplit`. An equation with side effects (a callback, a print)
@@ -145,7 +151,9 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
   def flat_backward(*flat):
     weights, d_input = backward(*jax.tree.unflatten(in_tree, flat))
     leaves, out_tree["weights"] = jax.tree.flatten(weights)
-    return [*leaves, d_input]
+    input_leaves, out_tree["input"] = jax.tree.flatten(d_input)
+    out_tree["num_weights"] = len(leaves)
+    return [*leaves, *input_leaves]
 
   avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat_args]
   closed = jax.make_jaxpr(flat_backward)(*avals)
@@ -155,8 +163,9 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
   )
   jaxpr, consts = closed.jaxpr, closed.consts
   eqns = jaxpr.eqns
-  *weight_outs, input_out = jaxpr.outvars
-  in_input, input_reads = _needed(eqns, [input_out], keep=True)
+  weight_outs = jaxpr.outvars[: out_tree["num_weights"]]
+  input_outs = jaxpr.outvars[out_tree["num_weights"] :]
+  in_input, input_reads = _needed(eqns, input_outs, keep=True)
   in_weight, weight_reads = _needed(eqns, weight_outs)
   # An I equation with an output only W reads computes weight gradients together with
   # the input gradient: a `lax.scan` over stacked layers (its transpose is one scan
@@ -169,6 +178,13 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
     if not eqns[i].effects
     and any(v in weight_reads and v not in input_reads for v in eqns[i].outvars)
   }
+  if not input_gradient:
+    # Only what both gradients need (and what effects need): the input's own products
+    # go, and so does an equation W reruns unless the rest of I reads it.
+    shared = (in_input & in_weight) - rerun
+    reads = [v for i in shared for v in eqns[i].invars if _is_var(v)]
+    in_input = shared | _needed(eqns, reads)[0] | _needed(eqns, [], keep=True)[0]
+    input_outs = []
 
   # Values W can rebuild from its own inputs by moving data only.
   free = set(jaxpr.invars) | set(jaxpr.constvars)
@@ -186,15 +202,19 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Back
     if _is_var(v) and v not in free and v not in computed_in_w and v not in handoff:
       handoff.append(v)
   input_jaxpr = _sub_jaxpr(
-    jaxpr, jaxpr.invars, [input_out, *handoff], [eqns[i] for i in sorted(in_input)], "I pass"
+    jaxpr, jaxpr.invars, [*input_outs, *handoff], [eqns[i] for i in sorted(in_input)], "I pass"
   )
   weight_jaxpr = _sub_jaxpr(
     jaxpr, [*handoff, *jaxpr.invars], weight_outs, [eqns[i] for i in weight_eqns], "W pass"
   )
+  num_inputs = len(input_outs)
 
   def input_pass(*args):
-    d_input, *values = jax.core.eval_jaxpr(input_jaxpr, consts, *jax.tree.leaves(args))
-    return d_input, values
+    outs = jax.core.eval_jaxpr(input_jaxpr, consts, *jax.tree.leaves(args))
+    values = outs[num_inputs:]
+    if not input_gradient:
+      return None, values
+    return jax.tree.unflatten(out_tree["input"], outs[:num_inputs]), values
 
   def weight_pass(values, *args):
     leaves = jax.core.eval_jaxpr(weight_jaxpr, consts, *values, *jax.tree.leaves(args))

@@ -534,12 +534,12 @@ def pipeline_loss_and_grad(
                     arrived from stage g+1 (or the loss / M on the last stage),
                     add d params[j] to the gradients in place, send d input back
           BACKWARD_INPUT:  only the part of the backward that d input needs
-                    (nothing for stage 0); write into pending[slot] the
-                    values the rest reads of it (e.g. every linear layer's
-                    dY, and its X when the forward was rerun)
+                    (stage 0: the gradient chain, without the input's own
+                    products); write into pending[slot] the values the rest
+                    reads of it (e.g. every linear layer's dY, and its X when
+                    the forward was rerun)
           BACKWARD_WEIGHT: the rest: d params[j] from pending[slot] (dW = X^T dY),
-                    no forward and no gradient chain rerun (stage 0: its
-                    whole weight backward)
+                    no forward and no gradient chain rerun
           IDLE:     nothing
       exchange: send the exchange's one activation on and one gradient back
       (`bubble_value` where its ticks computed none; at K = 1 the tick's one
@@ -616,26 +616,29 @@ def pipeline_loss_and_grad(
   slot = residuals_lib.slot_format(list(residuals.values()))
 
   def saved_pullback(g, row, common, act, res, x):
-    """(d row, d common, d padded input) of model stage g from its saved residuals."""
+    """(d row, d common, d unpadded input) of model stage g from its saved residuals."""
     leaves, inp = staged.stage_inputs(g, row, act, x, common)
     vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
 
     def pull(cotangents):
       d_leaves, d_inp = vjp_fn(cotangents)
       _, to_params = jax.vjp(lambda r, c: layout.stage_params(g, r, c), row, common)
-      d_act = fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
-      return *to_params(d_leaves), d_act
+      return *to_params(d_leaves), d_inp
 
     return pull
+
+  def stage_cotangents(g, grad):
+    return (zero_act if g == G - 1 else grad, loss_cotangent)
 
   def backward(action: Action, g: int, row, common, act, grad, res, x, y):
     """(d row, d common, d padded input) of a B, I or W pass of model stage g.
 
     Each may be unused: an I pass needs only d input, a W pass only the others.
     """
-    cotangents = (zero_act if g == G - 1 else grad, loss_cotangent)
+    cotangents = stage_cotangents(g, grad)
     if g in residuals:
-      return saved_pullback(g, row, common, act, res, x)(cotangents)
+      d_row, d_common, d_inp = saved_pullback(g, row, common, act, res, x)(cotangents)
+      return d_row, d_common, fill if g == 0 else partition_lib.pad_to(d_inp, W).astype(dtype)
 
     def f(row, common, act):
       return staged.forward(g, row, act, x, y, common)
@@ -655,14 +658,30 @@ def pipeline_loss_and_grad(
   common = cut_common(layout, block)
   sliced = any(layout.owns_unshared(g) for g in range(G))
 
-  # Split I and W passes (ZB-H1): for every model stage after the first, the whole
-  # backward is cut into the part the input gradient needs (I) and the rest (W), and I
-  # hands W the values W reads of its part (`backward_split`): W then runs only the
-  # weight-gradient products, not the forward and the gradient chain again. (Stage 0's
-  # I pass has no input gradient to compute: its W runs its whole weight backward.)
+  def first_stage_backward(row, common, act, grad, res, x, y):
+    """Model stage 0's whole backward, also with respect to its float model inputs.
+
+    Their gradient is never used: it shows `split_backward` the gradient chain
+    through the stage (each layer's output gradient), which its I pass then
+    computes, leaving W only the weight-gradient products.
+    """
+    cotangents = stage_cotangents(0, grad)
+    if 0 in residuals:
+      d_row, d_common, d_x = saved_pullback(0, row, common, act, res, x)(cotangents)
+    else:
+      forward = lambda row, common, x: staged.forward(0, row, act, x, y, common)
+      d_row, d_common, d_x = jax.vjp(forward, row, common, x)[1](cotangents)
+    return (d_row, d_common), [d for d in jax.tree.leaves(d_x) if d.dtype != jax.dtypes.float0]
+
+  # Split I and W passes (ZB-H1): every model stage's whole backward is cut into the
+  # part the input gradient needs (I) and the rest (W), and I hands W the values W reads
+  # of its part (`backward_split`): W then runs only the weight-gradient products, not
+  # the forward and the gradient chain again. Stage 0's I computes no input gradient
+  # (the batch has none), only the chain its weight gradients share with it.
   splits: dict[int, backward_split_lib.BackwardSplit] = {}
+  micro = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   for action, g in keys:
-    if action == Action.BACKWARD_INPUT and g > 0:
+    if action == Action.BACKWARD_INPUT:
 
       def whole_backward(row, common, act, grad, res, x, y, g=g):
         d_row, d_common, d_act = backward(Action.BACKWARD, g, row, common, act, grad, res, x, y)
@@ -670,16 +689,15 @@ def pipeline_loss_and_grad(
 
       j = g // P
       splits[g] = backward_split_lib.split_backward(
-        whole_backward,
+        first_stage_backward if g == 0 else whole_backward,
         _chunk(block, j),
         common[j],
         zero_act,
         zero_act,
         tuple(slot) if g in residuals else None,
-        None,
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ys)
-        if g == G - 1
-        else None,
+        micro(xs) if g == 0 else None,
+        micro(ys) if g == G - 1 else None,
+        input_gradient=g > 0,
       )
   handoff_slot, num_handoff = schedule.handoff_slots()
   handoff = residuals_lib.slot_format(
@@ -695,8 +713,8 @@ def pipeline_loss_and_grad(
   # written once per exchange.
   def branch(action: Action, g: int):
     def run(block, common, grads, stash, inbox, saved, pending, slots, xs, ys):
-      if action == Action.IDLE or (action == Action.BACKWARD_INPUT and g == 0):
-        return fill, grads, saved, pending, zero_loss  # (the batch has no gradient)
+      if action == Action.IDLE:
+        return fill, grads, saved, pending, zero_loss
       a_slot, g_slot, r_slot, h_slot, m = slots
       # Only the first stage reads the microbatch's inputs, only the last its targets.
       x = _microbatch(xs, m) if g == 0 else None
@@ -722,6 +740,7 @@ def pipeline_loss_and_grad(
       args = (row, own_common, act, grad, res, x, y)
       if action == Action.BACKWARD_INPUT and g in splits:
         d_act, values = splits[g].input_pass(*args)
+        d_act = fill if d_act is None else d_act  # (stage 0: the batch has no gradient)
         pending = tuple(
           lax.dynamic_update_index_in_dim(part, value, h_slot, 0)
           for part, value in zip(pending, residuals_lib.pack(values, handoff), strict=True)
