@@ -535,6 +535,93 @@ def test_zero_bubble_with_a_scanned_stack_matches_one_device_and_holds_no_weight
   assert temp["zb_h1"] - temp["1f1b"] < 1.0, temp
 
 
+def _inputs_halved_in_a_loop(x):
+  # A data-dependent `lax.while_loop` on the batch (each entry halved until it is at
+  # most 1 in size): reverse-mode autodiff cannot cross it, and the weights' gradient
+  # never needs to.
+  x = lax.while_loop(
+    lambda v: jnp.any(jnp.abs(v) > 1.0), lambda v: jnp.where(jnp.abs(v) > 1.0, v / 2, v), x * 4
+  )
+  for _ in range(3):
+    x = jax.nn.swish(hk.Linear(16)(x))
+  return hk.Linear(10)(x)
+
+
+def test_zero_bubble_trains_a_first_stage_whose_inputs_have_no_derivative():
+  # ZB-H1 cuts the first stage's backward as traced with respect to its float inputs
+  # too; where the inputs cannot be differentiated, that stage keeps its unsplit
+  # backward (W runs it whole), as 1F1B does.
+  parstrat.testing.check_strategy(
+    parstrat.PipelineModelParallel(
+      stages=2, microbatches=4, schedule="zb_h1", bubble_value=float("nan")
+    ),
+    hk.transform(_inputs_halved_in_a_loop),
+    [optax.sgd(0.1)],
+    steps=2,
+    batch=16,
+    features=12,
+  )
+
+
+def test_any_other_failure_to_cut_the_first_stage_is_raised(monkeypatch):
+  original = backward_split.split_backward
+
+  def broken(*args, input_gradient=True):
+    if not input_gradient:
+      raise RuntimeError("the cut failed")
+    return original(*args)
+
+  monkeypatch.setattr(backward_split, "split_backward", broken)
+  strategy = parstrat.PipelineModelParallel(stages=2, microbatches=4, schedule="zb_h1")
+  trainer = strategy(mlp([16, 16, 10]), optax.sgd(0.1))
+  x, y = np.ones((16, 12), np.float32), np.zeros((16,), np.int32)
+  with pytest.raises(RuntimeError, match="the cut failed"):
+    trainer.step(trainer.init(jax.random.key(0), x), (x, y))
+
+
+def _first_stage_input_pass_writes(model, batch) -> int:
+  """The buffer writes in ZB-H1's I pass of model stage 0 (P=2), traced, not run."""
+
+  def writes(jaxpr) -> int:
+    return sum(
+      (e.primitive.name == "dynamic_update_slice") + sum(map(writes, _subjaxprs(e)))
+      for e in jaxpr.eqns
+    )
+
+  def switches(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
+        yield e.params["branches"]
+      for j in _subjaxprs(e):
+        yield from switches(j)
+
+  strategy = parstrat.PipelineModelParallel(stages=2, microbatches=4, schedule="zb_h1")
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), batch[0][:1])
+  sharding = trainer._batch_sharding()
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch]
+  (branches,) = switches(trainer._compiled_step.trace(state, abstract).jaxpr.jaxpr)
+  keys, _ = engine.branch_table(pipeline.build_schedule("zb_h1", 2, 4))
+  return writes(branches[keys.index((pipeline.Action.BACKWARD_INPUT, 0))].jaxpr)
+
+
+def test_a_first_stage_fed_only_tokens_hands_nothing_from_i_to_w():
+  # Integer inputs have no gradient chain through the first stage: its I pass has
+  # nothing to compute or hand off, so it writes no handoff slot; a float-fed first
+  # stage's I pass writes one.
+  def tokens(t):
+    x = hk.Embed(32, 16)(t)
+    for _ in range(3):
+      x = jax.nn.swish(hk.Linear(16)(x))
+    return hk.Linear(10)(x)
+
+  labels = np.zeros((16,), np.int32)
+  token_batch = (np.zeros((16,), np.int32), labels)
+  assert _first_stage_input_pass_writes(hk.transform(tokens), token_batch) == 0
+  float_batch = (np.zeros((16, 12), np.float32), labels)
+  assert _first_stage_input_pass_writes(mlp([16, 16, 16]), float_batch) == 1
+
+
 def test_gpipe_keeps_an_input_or_residuals_per_microbatch_never_its_params():
   M = 8
   recompute, save = (_compiled_cost(M, "gpipe", a) for a in ("recompute", "save"))

@@ -460,6 +460,15 @@ def _shift(
   return lax.ppermute(value, axis, perm=pairs)
 
 
+def _traces(fn: Callable[..., Any], *args) -> bool:
+  """Whether `fn` can be traced on these abstract arguments."""
+  try:
+    jax.eval_shape(fn, *args)
+  except Exception:
+    return False
+  return True
+
+
 def _chunk(block, j: int):
   """Chunk `j`'s row of a device's `[v, ...]` params (or gradients) block."""
   return jax.tree.map(lambda b: b[j], block)
@@ -688,8 +697,7 @@ def pipeline_loss_and_grad(
         return (d_row, d_common), d_act
 
       j = g // P
-      splits[g] = backward_split_lib.split_backward(
-        first_stage_backward if g == 0 else whole_backward,
+      abstract = (
         _chunk(block, j),
         common[j],
         zero_act,
@@ -697,8 +705,25 @@ def pipeline_loss_and_grad(
         tuple(slot) if g in residuals else None,
         micro(xs) if g == 0 else None,
         micro(ys) if g == G - 1 else None,
-        input_gradient=g > 0,
       )
+      if g > 0:
+        splits[g] = backward_split_lib.split_backward(whole_backward, *abstract)
+        continue
+      try:
+        split = backward_split_lib.split_backward(
+          first_stage_backward, *abstract, input_gradient=False
+        )
+      except Exception:
+        # The batch itself may not be differentiable (a `pure_callback` or a
+        # `while_loop` on the inputs, which the weights' gradient never crosses):
+        # then stage 0 keeps its unsplit backward (I idle, W the whole backward).
+        # Any other failure is re-raised.
+        if _traces(first_stage_backward, *abstract):
+          raise
+        continue
+      # A first stage fed only integers (tokens) has no gradient chain for I to run.
+      if split.handoff:
+        splits[g] = split
   handoff_slot, num_handoff = schedule.handoff_slots()
   handoff = residuals_lib.slot_format(
     [residuals_lib.Residuals(None, (), split.handoff) for split in splits.values()]
