@@ -508,6 +508,31 @@ def test_a_weight_pass_reruns_a_scan_rather_than_take_its_weight_gradient_from_i
   np.testing.assert_allclose(split.weight_pass(handoff, w, x, dy), want_w, rtol=1e-5, atol=1e-6)
 
 
+def test_a_weight_pass_takes_a_long_scans_small_weight_gradient_rather_than_rerun_it():
+  # A recurrence over 64 time steps with an 8 x 8 weight: the scan's residuals (64 steps
+  # of the batch) outweigh the weight's gradient, so I hands W that gradient and W
+  # reruns no scan.
+  def backward(w, xs, dy):
+    def stage(w, xs):
+      return lax.scan(lambda h, x_t: (jnp.tanh(h @ w + x_t), None), jnp.zeros_like(xs[0]), xs)[0]
+
+    return jax.vjp(stage, w, xs)[1](dy)
+
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float32)
+  xs = jnp.asarray(rng.normal(size=(64, 4, 8)), jnp.float32)
+  dy = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+  split = backward_split.split_backward(backward, w, xs, dy)
+  assert [h.shape for h in split.handoff] == [(8, 8)], split.handoff
+  handoff = [jnp.zeros(h.shape, h.dtype) for h in split.handoff]
+  eqns = jax.make_jaxpr(split.weight_pass)(handoff, w, xs, dy).jaxpr.eqns
+  assert "scan" not in [e.primitive.name for e in eqns], eqns
+  d_xs, handoff = split.input_pass(w, xs, dy)
+  want_w, want_xs = backward(w, xs, dy)
+  np.testing.assert_allclose(d_xs, want_xs, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(split.weight_pass(handoff, w, xs, dy), want_w, rtol=1e-5, atol=1e-6)
+
+
 def test_zero_bubble_with_a_scanned_stack_matches_one_device_and_holds_no_weight_sized_handoff():
   small = hk.transform(functools.partial(_scanned_stack, layers=3, width=16))
   pipe = functools.partial(parstrat.PipelineModelParallel, stages=2, cuts=(1,))

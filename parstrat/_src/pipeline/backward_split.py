@@ -22,7 +22,8 @@ flat parameter row or a residual unpacked from its slot) is recomputed in W,
 not handed off, so no parameter-sized value waits in a slot. Likewise an
 equation of I with an output only W reads (the transpose of a `lax.scan` over
 stacked layers yields the stack's weight gradient with the input gradient) is
-rerun in W from its operands, not handed off.
+rerun in W from its operands, not handed off, where its operands are the
+smaller of the two.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -167,17 +168,28 @@ def split_backward(
   input_outs = jaxpr.outvars[out_tree["num_weights"] :]
   in_input, input_reads = _needed(eqns, input_outs, keep=True)
   in_weight, weight_reads = _needed(eqns, weight_outs)
+  # Values W can rebuild from its own inputs by moving data only.
+  free = set(jaxpr.invars) | set(jaxpr.constvars)
+  for eqn in eqns:
+    if eqn.primitive.name in _DATA_MOVES and all(v in free for v in eqn.invars if _is_var(v)):
+      free.update(eqn.outvars)
+
   # An I equation with an output only W reads computes weight gradients together with
   # the input gradient: a `lax.scan` over stacked layers (its transpose is one scan
-  # yielding both), a `lax.cond`, a `lax.while_loop`. Handing that output off would
-  # keep a weight-sized value per handoff slot; W reruns the equation instead, from
-  # its (activation-sized) operands.
-  rerun = {
-    i
-    for i in in_input & in_weight
-    if not eqns[i].effects
-    and any(v in weight_reads and v not in input_reads for v in eqns[i].outvars)
-  }
+  # yielding both), a `lax.cond`, a `lax.while_loop`. Handing that output off keeps a
+  # weight-sized value per handoff slot; W reruns the equation instead, from its
+  # operands, where those are smaller (a stack of layers: its residuals are a batch of
+  # activations per layer), not where they are larger (a long scan over time with a
+  # small weight, whose residuals grow with the sequence).
+  def nbytes(values) -> int:
+    return sum(v.aval.size * v.aval.dtype.itemsize for v in set(values))
+
+  def cheaper_to_rerun(eqn) -> bool:
+    handed = [v for v in eqn.outvars if v in weight_reads and v not in input_reads]
+    operands = [v for v in eqn.invars if _is_var(v) and v not in free]
+    return bool(handed) and nbytes(operands) < nbytes(handed)
+
+  rerun = {i for i in in_input & in_weight if not eqns[i].effects and cheaper_to_rerun(eqns[i])}
   if not input_gradient:
     # Only what both gradients need (and what effects need): the input's own products
     # go, and so does an equation W reruns unless the rest of I reads it.
@@ -186,11 +198,6 @@ def split_backward(
     in_input = shared | _needed(eqns, reads)[0] | _needed(eqns, [], keep=True)[0]
     input_outs = []
 
-  # Values W can rebuild from its own inputs by moving data only.
-  free = set(jaxpr.invars) | set(jaxpr.constvars)
-  for eqn in eqns:
-    if eqn.primitive.name in _DATA_MOVES and all(v in free for v in eqn.invars if _is_var(v)):
-      free.update(eqn.outvars)
   weight_eqns = [
     i
     for i in sorted(in_weight)
