@@ -360,11 +360,21 @@ def _subjaxprs(eqn):
         yield getattr(j, "jaxpr", j)
 
 
-def _all_dots(jaxpr) -> int:
+def _count(jaxpr, primitive: str) -> int:
+  """The equations of one primitive in a jaxpr, its sub-jaxprs included."""
   return sum(
-    1 if e.primitive.name == "dot_general" else sum(map(_all_dots, _subjaxprs(e)))
+    1 if e.primitive.name == primitive else sum(_count(j, primitive) for j in _subjaxprs(e))
     for e in jaxpr.eqns
   )
+
+
+def _switches(jaxpr):
+  """The branches of every per-tick `lax.switch` (a cond of more than 2 branches)."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
+      yield e.params["branches"]
+    for j in _subjaxprs(e):
+      yield from _switches(j)
 
 
 def _products_per_pass(schedule, activations):
@@ -389,15 +399,8 @@ def _products_per_pass(schedule, activations):
     jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharding),
   )
 
-  def switches(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
-        yield [_all_dots(b.jaxpr) for b in e.params["branches"]]
-      for j in _subjaxprs(e):
-        yield from switches(j)
-
-  (branches,) = switches(trainer._compiled_step.trace(state, batch).jaxpr.jaxpr)
-  return branches
+  (branches,) = _switches(trainer._compiled_step.trace(state, batch).jaxpr.jaxpr)
+  return [_count(b.jaxpr, "dot_general") for b in branches]
 
 
 def test_every_zero_bubble_pass_runs_at_most_one_product_per_layer_and_a_rerun():
@@ -606,28 +609,15 @@ def test_any_other_failure_to_cut_the_first_stage_is_raised(monkeypatch):
 
 def _first_stage_input_pass_writes(model, batch) -> int:
   """The buffer writes in ZB-H1's I pass of model stage 0 (P=2), traced, not run."""
-
-  def writes(jaxpr) -> int:
-    return sum(
-      (e.primitive.name == "dynamic_update_slice") + sum(map(writes, _subjaxprs(e)))
-      for e in jaxpr.eqns
-    )
-
-  def switches(jaxpr):
-    for e in jaxpr.eqns:
-      if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
-        yield e.params["branches"]
-      for j in _subjaxprs(e):
-        yield from switches(j)
-
   strategy = parstrat.PipelineModelParallel(stages=2, microbatches=4, schedule="zb_h1")
   trainer = strategy(model, optax.sgd(0.1))
   state = trainer.init_abstract(jax.random.key(0), batch[0][:1])
   sharding = trainer._batch_sharding()
   abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch]
-  (branches,) = switches(trainer._compiled_step.trace(state, abstract).jaxpr.jaxpr)
+  (branches,) = _switches(trainer._compiled_step.trace(state, abstract).jaxpr.jaxpr)
   keys, _ = engine.branch_table(pipeline.build_schedule("zb_h1", 2, 4))
-  return writes(branches[keys.index((pipeline.Action.BACKWARD_INPUT, 0))].jaxpr)
+  branch = branches[keys.index((pipeline.Action.BACKWARD_INPUT, 0))]
+  return _count(branch.jaxpr, "dynamic_update_slice")
 
 
 def test_a_first_stage_fed_only_tokens_hands_nothing_from_i_to_w():
