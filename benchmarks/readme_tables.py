@@ -49,7 +49,7 @@ def _row_name(name: str) -> str:
     return _ROW_NAMES[name]
   name = re.sub(r", P4 M8$", "", name)
   name = re.sub(r"^(data_parallel|fsdp|pipeline|hybrid 2x4)", r"`\1`", name)
-  name = name.replace(" K2", ", `exchange_every=2`").replace(" v=2", "")
+  name = name.replace(" K2", ", `exchange_every=2`")
   name = name.replace("`fsdp` replicate_below", "`fsdp` `replicate_below")
   name = name.replace("=100,000, 8", "=100_000`, 8")
   name = name.replace("interleaved_1f1b", "interleaved_1f1b v=2")
@@ -103,7 +103,6 @@ def ratio_table(strategies: dict) -> str:
         2 if ("same activations" in right or "same layout" in right) else int("+ metrics" in right)
       )
       hand = _short(right.split(",")[0].replace(" + metrics", ""))
-      hand = {"jit(shard_map)": "jit(shard_map)", "pmap": "pmap"}.get(hand, hand)
       label, text = f"{_short(left)} / {hand}", f"{ratio:.2f}"
     if label not in columns:
       columns[label] = ["", "", ""]

@@ -537,6 +537,14 @@ def test_a_weight_pass_takes_a_long_scans_small_weight_gradient_rather_than_reru
   np.testing.assert_allclose(split.weight_pass(handoff, w, xs, dy), want_w, rtol=1e-5, atol=1e-6)
 
 
+def _temp_mib(strategy, model, x, y) -> float:
+  """The step's compiled temporaries per device on a batch like (x, y), in MiB (SGD)."""
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), x[:1])
+  batch = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
+  return trainer.lower(state, batch).compile().memory_analysis().temp_size_in_bytes / 2**20
+
+
 def test_zero_bubble_with_a_scanned_stack_matches_one_device_and_holds_no_weight_sized_handoff():
   small = hk.transform(functools.partial(_scanned_stack, layers=3, width=16))
   pipe = functools.partial(parstrat.PipelineModelParallel, stages=2, cuts=(1,))
@@ -550,17 +558,11 @@ def test_zero_bubble_with_a_scanned_stack_matches_one_device_and_holds_no_weight
   )
   # Handing the stack's gradient (2 MiB here) from I to W would keep one per handoff
   # slot: ZB-H1's temporaries would exceed 1F1B's by 4 MiB, not by the residuals.
-  model, M = hk.transform(_scanned_stack), 8
-  batch = (
-    jax.ShapeDtypeStruct((8 * M, 16), jnp.float32),
-    jax.ShapeDtypeStruct((8 * M,), jnp.int32),
-  )
-  temp = {}
-  for schedule in ("1f1b", "zb_h1"):
-    trainer = pipe(microbatches=M, schedule=schedule)(model, optax.sgd(0.1))
-    state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
-    compiled = trainer.lower(state, batch).compile()
-    temp[schedule] = compiled.memory_analysis().temp_size_in_bytes / 2**20
+  x, y = np.zeros((64, 16), np.float32), np.zeros((64,), np.int32)
+  temp = {
+    schedule: _temp_mib(pipe(microbatches=8, schedule=schedule), hk.transform(_scanned_stack), x, y)
+    for schedule in ("1f1b", "zb_h1")
+  }
   assert temp["zb_h1"] - temp["1f1b"] < 1.0, temp
 
 
@@ -644,14 +646,11 @@ def test_a_first_stage_whose_handoff_is_the_largest_stays_unsplit():
   # 0.094); unsplit, ZB-H1 stays near 1F1B.
   x, y = models.image_batches(1, 64)[0]
   assert _first_stage_input_pass_writes(models.CNN.model, (x, y)) == 0
-  batch = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
-  temp = {}
-  for schedule in ("1f1b", "zb_h1"):
-    strategy = parstrat.PipelineModelParallel(stages=2, microbatches=8, schedule=schedule)
-    trainer = strategy(models.CNN.model, optax.adam(1e-3))
-    state = trainer.init_abstract(jax.random.key(0), x[:1])
-    compiled = trainer.lower(state, batch).compile()
-    temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
+  pipe = functools.partial(parstrat.PipelineModelParallel, stages=2, microbatches=8)
+  temp = {
+    schedule: _temp_mib(pipe(schedule=schedule), models.CNN.model, x, y)
+    for schedule in ("1f1b", "zb_h1")
+  }
   assert temp["zb_h1"] < 1.2 * temp["1f1b"], temp
 
 

@@ -724,17 +724,21 @@ def pipeline_loss_and_grad(
       # A first stage fed only integers (tokens) has no gradient chain for I to run.
       if split.handoff:
         splits[g] = split
-  handoff_format = lambda splits: residuals_lib.slot_format(
-    [residuals_lib.Residuals(None, (), split.handoff) for split in splits]
-  )
+
+  def handoff_format(parts):
+    return residuals_lib.slot_format(
+      [residuals_lib.Residuals(None, (), split.handoff) for split in parts]
+    )
+
+  def sizes(parts):
+    return [(a.shape, a.dtype) for a in handoff_format(parts)]
+
   # Stage 0 is cut only where its handoff fits the slots the other stages need: where
   # its activations are the largest (a CNN at full resolution), cutting it would grow
   # every device's handoff slots, and it keeps its unsplit backward instead.
   later = [split for g, split in splits.items() if g > 0]
-  if 0 in splits and later:
-    formats = [handoff_format(later), handoff_format([splits[0], *later])]
-    if len({tuple((a.shape, a.dtype) for a in f) for f in formats}) > 1:
-      del splits[0]
+  if 0 in splits and later and sizes(later) != sizes(splits.values()):
+    del splits[0]
   handoff_slot, num_handoff = schedule.handoff_slots()
   handoff = handoff_format(splits.values())
 
