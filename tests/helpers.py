@@ -1,5 +1,8 @@
 """Models and data shared by the tests."""
 
+import importlib.util
+import pathlib
+
 import haiku as hk
 import jax
 
@@ -13,3 +16,12 @@ DEEP_MLP = hk.transform(lambda x: hk.nets.MLP(DEEP_WIDTHS, activation=jax.nn.swi
 
 def mlp(widths):
   return hk.transform(lambda x: hk.nets.MLP(widths, activation=jax.nn.swish)(x))
+
+
+def benchmark_module(name):
+  """`benchmarks/<name>.py` as a module (the benchmarks folder is not a package)."""
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
