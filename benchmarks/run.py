@@ -77,6 +77,7 @@ from references import shard_map_dp_reference  # noqa: E402
 from references import shard_map_gpipe_reference  # noqa: E402
 
 import parstrat  # noqa: E402
+from parstrat._src.hybrid import _schedule_for as schedule_for  # noqa: E402
 
 LR = 1e-3
 
@@ -181,7 +182,7 @@ PIPELINES = (
   ("zb_h1", {**DOTS, **K2}),
   ("zb_h1", SAVE),
   ("zb_h1", {**SAVE, **K2}),
-  ("interleaved_1f1b", {"virtual_stages": 2}),
+  ("interleaved_1f1b", {"virtual_stages": 2, "exchange_every": 1}),
   ("interleaved_1f1b", {"virtual_stages": 2, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **DOTS, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **SAVE, **K2}),
@@ -216,12 +217,12 @@ def pipeline_label(schedule: str, options: dict) -> str:
 
 def pipeline_table(strategy):
   """The tick table a `PipelineModelParallel` or `Hybrid` row runs."""
-  return parstrat.pipeline.build_schedule(
+  return schedule_for(
     strategy.schedule,
     strategy.stages,
     strategy.microbatches,
-    virtual_stages=strategy.virtual_stages,
-    exchange_every=strategy.exchange_every or 1,
+    strategy.virtual_stages,
+    strategy.exchange_every,
   )
 
 

@@ -387,6 +387,7 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
   assert "schedule=interleaved_1f1b, virtual_stages=2," in outputs["interleaved"]
   assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
   assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]
+  assert "(an exchange every 2)" in outputs["interleaved"]  # its default
 
 
 def _user_run(tmp_path, monkeypatch, *flags) -> int:

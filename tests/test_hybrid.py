@@ -21,10 +21,16 @@ def test_matches_single_device_jit(data, stages):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "interleaved_1f1b"])
 def test_zero_bubble_and_interleaved_match_single_device_jit(schedule):
-  # 2 replicas x 2 devices; interleaved: 4 model stages, 2 per device. SGD only (Adam
-  # runs on all three schedules in tests/test_pipeline.py).
+  # 2 replicas x 2 devices; interleaved: 4 model stages, 2 per device, an exchange
+  # after every tick (its default, every 2, runs in tests/test_hybrid_model_axis.py).
+  # SGD only (Adam runs on all three schedules in tests/test_pipeline.py).
   strategy = parstrat.Hybrid(
-    data=2, stages=2, microbatches=2, schedule=schedule, bubble_value=float("nan")
+    data=2,
+    stages=2,
+    microbatches=2,
+    schedule=schedule,
+    exchange_every=1,
+    bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 

@@ -220,6 +220,7 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
 # Zero bubble (backward split into I and W) and interleaved virtual stages (8 model
 # stages on 4 devices: DEEP_MLP's 8 layers, chunk c on device c % 4, wrapping from
 # device 3 to device 0), NaN in every bubble.
+# Interleaved at `exchange_every=1` (its default, 2, runs in the tests below).
 @pytest.mark.parametrize(
   "stages, microbatches, schedule, virtual_stages",
   [(4, 4, "zb_h1", None), (4, 4, "interleaved_1f1b", 2)],
@@ -230,11 +231,28 @@ def test_zero_bubble_and_interleaved_match_jit(stages, microbatches, schedule, v
     microbatches=microbatches,
     schedule=schedule,
     virtual_stages=virtual_stages,
+    exchange_every=1,
     bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(
     strategy, DEEP_MLP, [optax.sgd(0.1), optax.adam(1e-3)], steps=3, batch=16
   )
+
+
+def test_interleaved_exchanges_every_two_ticks_unless_told_otherwise():
+  for schedule, given, runs in [
+    ("interleaved_1f1b", None, 2),
+    ("interleaved_1f1b", 1, 1),
+    ("1f1b", None, 1),
+    ("zb_h1", None, 1),
+  ]:
+    strategy = parstrat.PipelineModelParallel(
+      stages=2, microbatches=4, schedule=schedule, exchange_every=given
+    )
+    trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+    trainer.init(jax.random.key(0), jnp.zeros((1, 16)))
+    description = trainer.plan.description
+    assert ("(an exchange every 2)" in description) == (runs == 2), (schedule, given)
 
 
 def test_a_schedule_read_from_csv_runs():

@@ -342,6 +342,27 @@ def test_an_exchange_every_two_ticks_brings_every_schedule_to_gpipes_lockstep_ti
   assert one_f.lockstep_time("save") == 1 + 3 + 3 + 3 + 2 == 3 * (3 + 2 - 1)
 
 
+def test_interleaved_gains_from_two_ticks_per_exchange_at_no_memory_cost():
+  # Why `exchange_every` defaults to 2 for "interleaved_1f1b" (and only there: 1F1B
+  # pays for it with 2P - 1 live activations, above): never a longer lock-step
+  # time, under either pass cost, fewer exchanges, and no more live activations or
+  # slots on any device.
+  for P in (2, 3, 4, 8):
+    for M in (P, 2 * P, 4 * P):
+      for v in (2, 3, 4):
+        one = pipeline.build_schedule("interleaved_1f1b", P, M, virtual_stages=v)
+        two = pipeline.build_schedule("interleaved_1f1b", P, M, virtual_stages=v, exchange_every=2)
+        for cost in ("recompute", "save"):
+          assert two.lockstep_time(cost) <= one.lockstep_time(cost), (P, M, v, cost)
+        assert two.num_exchanges < one.num_exchanges
+        live = zip(two.max_live_activations(), one.max_live_activations(), strict=True)
+        assert all(a <= b for a, b in live)
+        assert two.num_act_slots <= one.num_act_slots
+  one = pipeline.build_schedule("interleaved_1f1b", 4, 8)
+  two = pipeline.build_schedule("interleaved_1f1b", 4, 8, exchange_every=2)
+  assert (one.lockstep_time("recompute"), two.lockstep_time("recompute")) == (49, 38)
+
+
 def _edit(schedule, moves):
   """`schedule` with ops moved: {(tick, stage): new tick}."""
   action, microbatch = schedule.action.copy(), schedule.microbatch.copy()

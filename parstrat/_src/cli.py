@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     type=_positive,
     default=None,
     help="pipeline ticks (passes) each device runs between two message exchanges "
-    "(default: the strategy's, 1; 2 suits 1f1b and interleaved_1f1b)",
+    "(default: the strategy's, 2 for interleaved_1f1b, else 1; 2 also suits 1f1b)",
   )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
@@ -434,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
   sched.add_argument(
     "--exchange-every",
     type=_positive,
-    default=1,
-    help="ticks (passes) each device runs between two message exchanges",
+    default=None,
+    help="ticks (passes) each device runs between two message exchanges "
+    "(default: what the strategies run, 2 for interleaved_1f1b, else 1)",
   )
   sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
   sched.add_argument(
@@ -1194,15 +1195,17 @@ def _train_one(
 
 
 def schedule(args: argparse.Namespace) -> None:
+  from parstrat._src.hybrid import default_exchange_every
   from parstrat._src.pipeline import schedule as schedule_lib
 
+  every = args.exchange_every or default_exchange_every(args.schedule)
   try:
     table = schedule_lib.build_schedule(
       args.schedule,
       args.stages,
       args.microbatches,
       virtual_stages=args.virtual_stages,
-      exchange_every=args.exchange_every,
+      exchange_every=every,
     )
   except ValueError as e:
     raise UsageError(str(e)) from None

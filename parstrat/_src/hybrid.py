@@ -186,6 +186,19 @@ def make_pipeline_plan(
   return _with_model_axis(plan, mesh) if parts > 1 else plan
 
 
+def default_exchange_every(schedule: str) -> int:
+  """The ticks between two message exchanges when `exchange_every` is not given.
+
+  2 for "interleaved_1f1b": a forward and a backward between exchanges shortens its
+  lock-step time (38 stage forwards instead of 49 at P=4, M=8, v=2 under
+  "recompute") with fewer exchanges and no more live activations or slots
+  (`tests/test_schedule.py::test_interleaved_gains_from_two_ticks_per_exchange_at_no_memory_cost`).
+  1 for the others, where 2 keeps more activations alive (1F1B: 2P - 1 on the
+  first stage instead of P).
+  """
+  return 2 if schedule == "interleaved_1f1b" else 1
+
+
 def _schedule_for(
   schedule: str | schedule_lib.Schedule,
   stages: int,
@@ -200,7 +213,7 @@ def _schedule_for(
       stages,
       microbatches,
       virtual_stages=virtual_stages,
-      exchange_every=1 if exchange_every is None else exchange_every,
+      exchange_every=default_exchange_every(schedule) if exchange_every is None else exchange_every,
     )
   for what, want, have in (
     ("stages", stages, schedule.stages),
@@ -336,7 +349,8 @@ class Hybrid(Strategy):
     activations: "recompute" (default), "save" or a `jax.checkpoint_policies`
       name; see `PipelineModelParallel`.
     exchange_every: the ticks each device runs between two exchanges of
-      messages (default 1); see `PipelineModelParallel`.
+      messages (default 2 for "interleaved_1f1b", else 1); see
+      `PipelineModelParallel`.
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).

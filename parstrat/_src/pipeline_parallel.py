@@ -38,12 +38,13 @@ class PipelineModelParallel(Strategy):
 
   The devices run in lock-step: they exchange messages (activations on,
   gradients back) every `exchange_every` ticks, and each exchange waits for
-  the slowest device. With the default 1 every pass is followed by one, so a
-  1F1B tick where one device runs a backward lasts a backward on all of them.
+  the slowest device. With `exchange_every=1` every pass is followed by one, so
+  a 1F1B tick where one device runs a backward lasts a backward on all of them.
   With `exchange_every=2` each device runs up to two passes between exchanges:
   1F1B then takes GPipe's time, (M + P - 1)(F + B), for 2P - 1 activations on
   the first stage instead of P, and interleaved 1F1B gets faster at the same
   memory (`parstrat.pipeline.Schedule.lockstep_time` gives each in forwards).
+  So the default is 2 for "interleaved_1f1b" and 1 for the other schedules.
 
   This is `Hybrid` with one data replica.
 
@@ -61,7 +62,7 @@ class PipelineModelParallel(Strategy):
       "dots_with_no_batch_dims_saveable": keep matmul outputs, rerun the rest;
       "nothing_saveable").
     exchange_every: the ticks (passes) each device runs between two exchanges
-      of messages: 1 (default) or more; 2 suits "1f1b" and "interleaved_1f1b".
+      of messages, 1 or more (default: 2 for "interleaved_1f1b", else 1).
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
     bubble_value: what idle slots send (tests fill bubbles with NaN).
