@@ -80,6 +80,18 @@ def test_schedule_draws_a_png(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_schedule_draws_what_the_strategies_run(capsys):
+  # interleaved_1f1b exchanges every two ticks unless told otherwise, as the strategies
+  # run it; its header then gives the lock-step bubbles beside the ticks' idle share.
+  base = ["schedule", "--stages", "4", "--microbatches", "8", "--schedule", "interleaved_1f1b"]
+  for extra, header in [
+    ([], "52 ticks (26 exchanges, one every 2), bubble 0.385 of the ticks, 0.158 / 0.158 "),
+    (["--exchange-every", "1"], "38 ticks, bubble 0.158 (theory (P-1)/(vM+P-1) = 0.158)"),
+  ]:
+    assert cli.main([*base, *extra]) == 0
+    assert header in capsys.readouterr().out
+
+
 def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path):
   # `parstrat schedule ... --csv X | head`: printing first lost the CSV to a traceback.
   csv = tmp_path / "s.csv"

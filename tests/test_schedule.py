@@ -346,7 +346,7 @@ def test_interleaved_gains_from_two_ticks_per_exchange_at_no_memory_cost():
   # Why `exchange_every` defaults to 2 for "interleaved_1f1b" (and only there: 1F1B
   # pays for it with 2P - 1 live activations, above): never a longer lock-step
   # time, under either pass cost, fewer exchanges, and no more live activations or
-  # slots on any device.
+  # slots (activation, gradient, residual) on any device.
   for P in (2, 3, 4, 8):
     for M in (P, 2 * P, 4 * P):
       for v in (2, 3, 4):
@@ -358,6 +358,8 @@ def test_interleaved_gains_from_two_ticks_per_exchange_at_no_memory_cost():
         live = zip(two.max_live_activations(), one.max_live_activations(), strict=True)
         assert all(a <= b for a, b in live)
         assert two.num_act_slots <= one.num_act_slots
+        assert two.num_grad_slots <= one.num_grad_slots
+        assert two.residual_slots()[1] <= one.residual_slots()[1]
   one = pipeline.build_schedule("interleaved_1f1b", 4, 8)
   two = pipeline.build_schedule("interleaved_1f1b", 4, 8, exchange_every=2)
   assert (one.lockstep_time("recompute"), two.lockstep_time("recompute")) == (49, 38)

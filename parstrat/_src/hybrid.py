@@ -159,7 +159,7 @@ def make_pipeline_plan(
     f"{stage_plan}\n"
     f"{buffers}"
     f"schedule: {sched.name}{chunks}, {microbatches} microbatches, {ticks}, "
-    f"bubble {sched.bubble_fraction():.3f} ({sched.theory_text()}), "
+    f"{sched.bubble_text()}, "
     f"{sched.num_act_slots} activation slot(s) per device, activations: {activations}"
   )
   replicas = 1 if mesh is None else dict(mesh.shape).get(DATA, 1)

@@ -305,6 +305,21 @@ class Schedule:
       return "no theory for an imported schedule"
     return f"theory {THEORY[self.name][0]} = {self.theoretical_bubble():.3f}"
 
+  def bubble_text(self) -> str:
+    """E.g. "bubble 0.273 (theory (P-1)/(M+P-1) = 0.273)".
+
+    With `exchange_every` > 1 the tick table's idle share also counts the ticks a
+    device waits for the exchange, so the lock-step bubbles (`lockstep_bubble`,
+    recomputing and saving activations) come with it.
+    """
+    text = f"bubble {self.bubble_fraction():.3f}"
+    if self.exchange_every > 1:
+      text += (
+        f" of the ticks, {self.lockstep_bubble('recompute'):.3f} / "
+        f"{self.lockstep_bubble('save'):.3f} lock-step (recomputing / saving)"
+      )
+    return f"{text} ({self.theory_text()})"
+
   def max_live_activations(self) -> list[int]:
     """Per device, the most (chunk, microbatch) pairs whose forward ran and whose
     last backward pass (B, or W after I) has not."""
@@ -427,8 +442,7 @@ class Schedule:
     )
     return (
       f"{self.name} schedule, {self.stages} stages{chunks} x {self.microbatches} microbatches, "
-      f"{self.num_ticks} ticks{every}, bubble {self.bubble_fraction():.3f} "
-      f"({self.theory_text()})\n{self.table()}"
+      f"{self.num_ticks} ticks{every}, {self.bubble_text()}\n{self.table()}"
     )
 
 
@@ -568,7 +582,10 @@ def build_schedule(
       wait for the slowest pass of each tick. With 2, 1F1B's steady state runs
       one forward and one backward per exchange: it takes GPipe's lock-step
       time, (M + P - 1) (F + B), for 2 P - 1 activations on the first stage
-      instead of P (`Schedule.lockstep_time`).
+      instead of P (`Schedule.lockstep_time`). Default 1, the papers' tables;
+      `PipelineModelParallel` and `Hybrid` given a schedule's name run
+      "interleaved_1f1b" at 2 unless told otherwise, and a `Schedule` passed to
+      them at its own K.
 
   Returns:
     The `Schedule`, checked by `check_schedule`.
