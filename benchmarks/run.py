@@ -77,7 +77,7 @@ from references import shard_map_dp_reference  # noqa: E402
 from references import shard_map_gpipe_reference  # noqa: E402
 
 import parstrat  # noqa: E402
-from parstrat._src.hybrid import _schedule_for as schedule_for  # noqa: E402
+from parstrat._src.hybrid import schedule_for  # noqa: E402
 
 LR = 1e-3
 

@@ -1195,17 +1195,12 @@ def _train_one(
 
 
 def schedule(args: argparse.Namespace) -> None:
-  from parstrat._src.hybrid import default_exchange_every
+  from parstrat._src.hybrid import schedule_for
   from parstrat._src.pipeline import schedule as schedule_lib
 
-  every = args.exchange_every or default_exchange_every(args.schedule)
-  try:
-    table = schedule_lib.build_schedule(
-      args.schedule,
-      args.stages,
-      args.microbatches,
-      virtual_stages=args.virtual_stages,
-      exchange_every=every,
+  try:  # the table the strategies run for these options
+    table = schedule_for(
+      args.schedule, args.stages, args.microbatches, args.virtual_stages, args.exchange_every
     )
   except ValueError as e:
     raise UsageError(str(e)) from None

@@ -74,7 +74,7 @@ def make_pipeline_plan(
   partitioner.
   """
   _check_positive("microbatches", microbatches)
-  sched = _schedule_for(schedule, stages, microbatches, virtual_stages, exchange_every)
+  sched = schedule_for(schedule, stages, microbatches, virtual_stages, exchange_every)
   v = sched.virtual_stages
 
   # The trainer refuses models with state or randomness for the pipeline, so
@@ -199,7 +199,7 @@ def default_exchange_every(schedule: str) -> int:
   return 2 if schedule == "interleaved_1f1b" else 1
 
 
-def _schedule_for(
+def schedule_for(
   schedule: str | schedule_lib.Schedule,
   stages: int,
   microbatches: int,
@@ -417,7 +417,7 @@ class Hybrid(Strategy):
     if self.microbatches is not None:
       _check_positive("microbatches", self.microbatches)
     if isinstance(self.schedule, schedule_lib.Schedule):
-      _schedule_for(
+      schedule_for(
         self.schedule,
         stages,
         self._microbatches(stages),
