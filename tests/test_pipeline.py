@@ -255,6 +255,57 @@ def test_interleaved_exchanges_every_two_ticks_unless_told_otherwise():
     assert ("(an exchange every 2)" in description) == (runs == 2), (schedule, given)
 
 
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_gpipe_and_1f1b_exchanges_move_one_message_per_device_in_one_ppermute(P):
+  # A collective is a rendezvous of every device. At K = 1 every GPipe and 1F1B exchange
+  # sends each device's message to one neighbour: one ppermute, not one each way.
+  for name in ("gpipe", "1f1b"):
+    for M in (P, 2 * P, 4 * P):
+      schedule = pipeline.build_schedule(name, P, M)
+      ways, index = engine.exchange_plan(schedule)
+      assert engine.BOTH_WAYS not in ways, (name, P, M)
+      for way, messages in zip([ways[i] for i in index], schedule.messages(), strict=True):
+        assert set(way) == messages  # every message the receivers keep, nothing else
+  # ZB-H1 and interleaved: all but a few exchanges; at K = 2 two ppermutes each.
+  for name, v in (("zb_h1", 1), ("interleaved_1f1b", 2)):
+    ways, index = engine.exchange_plan(pipeline.build_schedule(name, 4, 8, virtual_stages=v))
+    assert np.mean([ways[i] == engine.BOTH_WAYS for i in index]) < 0.35, name
+  ways, _ = engine.exchange_plan(pipeline.build_schedule("1f1b", 4, 8, exchange_every=2))
+  assert ways == [engine.BOTH_WAYS]
+
+
+def _ppermutes_per_exchange(schedule, **options):
+  """(the most ppermutes one exchange branch runs, ppermutes outside a switch) in a step."""
+  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=8, schedule=schedule, **options)
+  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  sharding = trainer._batch_sharding()
+  batch = (
+    jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sharding),
+    jax.ShapeDtypeStruct((32,), jnp.int32, sharding=sharding),
+  )
+  step = trainer._compiled_step.trace(state, batch).jaxpr.jaxpr
+  (loop,) = [  # the tick loop (a `scan`: `fori_loop` with a fixed trip count)
+    j
+    for e in _eqns(step)
+    if e.primitive.name in ("scan", "while")
+    for j in _subjaxprs(e)
+    if _count(j, "ppermute")
+  ]
+  switches = [e for e in _eqns(loop) if e.primitive.name == "cond" and _count_in(e, "ppermute")]
+  most = max(
+    (_count(b.jaxpr, "ppermute") for e in switches for b in e.params["branches"]), default=0
+  )
+  return most, _count(loop, "ppermute") - sum(_count_in(e, "ppermute") for e in switches)
+
+
+def test_a_step_at_k1_runs_one_ppermute_per_exchange():
+  assert _ppermutes_per_exchange("1f1b") == (1, 0)
+  assert _ppermutes_per_exchange("gpipe", activations="save") == (1, 0)
+  assert _ppermutes_per_exchange("zb_h1") == (2, 0)  # (its few two-way exchanges)
+  assert _ppermutes_per_exchange("1f1b", exchange_every=2) == (0, 2)
+
+
 def test_a_schedule_read_from_csv_runs():
   # Designed by hand: stage 1 runs full backwards, stage 0 splits its second one into
   # an input-gradient and a weight-gradient pass.
@@ -387,11 +438,26 @@ def _count(jaxpr, primitive: str) -> int:
   )
 
 
-def _switches(jaxpr):
-  """The branches of every per-tick `lax.switch` (a cond of more than 2 branches)."""
+def _count_in(eqn, primitive: str) -> int:
+  """The equations of one primitive inside one equation's sub-jaxprs (once per branch)."""
+  return sum(_count(j, primitive) for j in _subjaxprs(eqn))
+
+
+def _eqns(jaxpr):
+  """Every equation of a jaxpr and of its sub-jaxprs."""
   for e in jaxpr.eqns:
-    if e.primitive.name == "cond" and len(e.params["branches"]) > 2:
-      yield e.params["branches"]
+    yield e
+    for j in _subjaxprs(e):
+      yield from _eqns(j)
+
+
+def _switches(jaxpr):
+  """The branches of every per-tick `lax.switch` over passes (a cond of more than 2
+  branches, none of which runs a collective: not the exchange's switch)."""
+  for e in jaxpr.eqns:
+    branches = e.params.get("branches", ()) if e.primitive.name == "cond" else ()
+    if len(branches) > 2 and not any(_count(b.jaxpr, "ppermute") for b in branches):
+      yield branches
     for j in _subjaxprs(e):
       yield from _switches(j)
 

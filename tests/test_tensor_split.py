@@ -212,6 +212,31 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   assert problems[1].startswith("all-reduce across")
 
 
+def test_branch_problems_leaves_out_switches_every_device_takes_alike():
+  # The pipeline's exchange picks its collective by the tick (`hlo_check.UNIFORM_SCOPE`):
+  # every device takes the same branch. A per-stage switch gets no such pass.
+  mesh = jax.make_mesh((2, 2, 2), ("data", "stage", "model"))
+  text = """HloModule m
+
+%branch (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %move = f32[4]{0} collective-permute(%p), channel_id=1, source_target_pairs={{0,2},{2,4}}
+}
+
+ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
+  %i = s32[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  ROOT %c = f32[4]{0} conditional(%i, %x), branch_computations={%branch}, metadata={op_name="jit(step)/shard_map/while/body/SCOPE/cond"}
+}
+"""  # noqa: E501
+  uniform = text.replace("SCOPE", hlo_check.UNIFORM_SCOPE)
+  assert hlo_check.branch_collectives(uniform) == []
+  assert hlo_check.branch_problems(uniform, mesh) == []
+  per_stage = text.replace("SCOPE", "stage")
+  assert [c.name for c in hlo_check.branch_collectives(per_stage)] == ["move"]
+  assert len(hlo_check.branch_problems(per_stage, mesh)) == 1
+
+
 def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids():
   # XLA leaves device_ids out when the devices are 0, 1, ... in order: such a line was
   # "unreadable", and Hybrid(data=1, stage=1, model=2) refused every step as a hang.

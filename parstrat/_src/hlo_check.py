@@ -29,6 +29,11 @@ _CALLED = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
+#: The `jax.named_scope` of a `lax.switch` whose index is the same on every device
+#: (e.g. the pipeline's exchange, picked by the tick): every device runs the branch
+#: it takes, so the collectives inside it are reached by all their participants.
+UNIFORM_SCOPE = "uniform_switch"
+
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -120,12 +125,15 @@ def _computations(text: str) -> dict[str, list[str]]:
 def branch_instructions(text: str) -> list[tuple[str, str, str]]:
   """`(opcode, name, line)` of every instruction reachable from a `conditional`'s branches.
 
-  Async pairs are read by their start (`all-reduce-start` as "all-reduce").
+  Conditionals traced under `UNIFORM_SCOPE` are left out. Async pairs are read by
+  their start (`all-reduce-start` as "all-reduce").
   """
   comps = _computations(text)
   roots: list[str] = []
   for lines in comps.values():
     for line in lines:
+      if f"/{UNIFORM_SCOPE}/" in line:
+        continue
       m = _BRANCHES.search(line)
       if m:
         roots += [name.strip().lstrip("%") for name in m.group(1).split(",")]

@@ -374,6 +374,31 @@ class Schedule:
     work = sum(cost[Action(int(a))] for a in self.action.flat if a != Action.IDLE)
     return 1.0 - work / self.stages / self.virtual_stages / self.lockstep_time(cost)
 
+  def messages(self) -> list[frozenset[tuple[int, int, str]]]:
+    """Per exchange, each message a device keeps: (sender, receiver, kind).
+
+    kind is "activation" (from device s - 1 to s) or "gradient" (from s + 1 to
+    s); the ends wrap when v > 1. At K = 1 a device sends one message per
+    tick, and every GPipe or 1F1B exchange moves each device's message to one
+    neighbour at most, each device receiving one at most: one permutation of
+    the devices (see `engine.exchange_plan`).
+
+    Example:
+      >>> from parstrat._src.pipeline import schedule
+      >>> messages = schedule.build_schedule("1f1b", 2, 2).messages()
+      >>> sorted(messages[0])  # after tick 0: device 0's F0 goes on to device 1
+      [(0, 1, 'activation')]
+      >>> sorted(messages[2])  # after tick 2: device 1's B0 goes back to device 0
+      [(1, 0, 'gradient')]
+    """
+    P, K = self.stages, self.exchange_every
+    out = []
+    for last in range(K - 1, self.num_ticks, K):
+      act = [((s - 1) % P, s, "activation") for s in range(P) if self.recv_act_slot[last, s] >= 0]
+      grad = [((s + 1) % P, s, "gradient") for s in range(P) if self.recv_grad_slot[last, s] >= 0]
+      out.append(frozenset(act + grad))
+    return out
+
   def residual_slots(self) -> tuple[np.ndarray, int]:
     """Slots for what a forward keeps for its backward passes (activations="save").
 
