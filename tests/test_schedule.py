@@ -7,6 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 from parstrat import pipeline
+from parstrat._src.pipeline import engine
+from parstrat._src.pipeline import schedule as schedule_lib
 from parstrat.pipeline import Action
 
 SCHEDULES = ["gpipe", "1f1b"]
@@ -96,6 +98,26 @@ def _all_tables():
     for microbatches in range(stages, 17, stages):
       for v in (1, 2, 3):
         yield pipeline.build_schedule("interleaved_1f1b", stages, microbatches, virtual_stages=v)
+
+
+def test_every_exchange_keeps_the_messages_the_passes_send():
+  # At K = 1: what each tick's passes send (an activation on, a gradient back) is what
+  # the receivers keep, and every GPipe and 1F1B exchange is one permutation of the
+  # devices, which the engine moves in one `ppermute` (`engine.exchange_plan`).
+  for s in _all_tables():
+    P, G = s.stages, s.model_stages
+    for t, kept in enumerate(s.messages()):
+      sent = set()
+      for d in range(P):
+        kind, g = Action(int(s.action[t, d])), int(s.model_stage[t, d])
+        activation, gradient = schedule_lib.sends(kind, max(g, 0), G)
+        if activation:
+          sent.add((d, (d + 1) % P, "activation"))
+        if gradient:
+          sent.add((d, (d - 1) % P, "gradient"))
+      assert kept == sent, (s.name, P, s.microbatches, t)
+    if s.name in ("gpipe", "1f1b"):
+      assert engine.BOTH_WAYS not in engine.exchange_plan(s)[0], (s.name, P, s.microbatches)
 
 
 def test_every_table_checks_and_takes_the_papers_ticks():

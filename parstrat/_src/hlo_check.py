@@ -33,6 +33,7 @@ _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 #: (e.g. the pipeline's exchange, picked by the tick): every device runs the branch
 #: it takes, so the collectives inside it are reached by all their participants.
 UNIFORM_SCOPE = "uniform_switch"
+_UNIFORM = re.compile(rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/cond"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ def branch_instructions(text: str) -> list[tuple[str, str, str]]:
   roots: list[str] = []
   for lines in comps.values():
     for line in lines:
-      if f"/{UNIFORM_SCOPE}/" in line:
+      if _UNIFORM.search(line):
         continue
       m = _BRANCHES.search(line)
       if m:

@@ -5,8 +5,8 @@ largest stage), and the activations crossing stage boundaries as rows of a
 flat `[microbatch, W]` buffer (padded to the widest boundary). At every tick a
 `lax.switch` on (action, stage index) runs only the device's own stage, then
 the exchange moves activations to the next stage and gradients to the previous
-one: one `ppermute` where each device's message goes to one neighbour, two
-where they go both ways (`exchange_plan`).
+one: in one `ppermute` where each device receives one message at most, in two
+where a device receives from both neighbours at once (`exchange_plan`).
 
 With `SplitLayout`, a stage's linear layers are also split Megatron-style over a
 mesh axis (e.g. "model") that the `jax.shard_map` leaves automatic: each device
@@ -519,41 +519,50 @@ def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarr
 #: back, in two `ppermute`s.
 BOTH_WAYS = "both ways"
 
+#: How an exchange moves its messages: the (sender, receiver) pairs of one `ppermute`
+#: (`()`: nothing moves, no collective), or `BOTH_WAYS`.
+Way = tuple[tuple[int, int], ...] | str
 
-def exchange_plan(schedule: Schedule) -> tuple[list[Any], np.ndarray]:
+
+def exchange_plan(schedule: Schedule) -> tuple[list[Way], np.ndarray]:
   """The distinct ways the schedule's exchanges move messages, and `[E]` indices into them.
 
   A collective is a rendezvous of every device, so each one costs a wait. At
-  K = 1 every GPipe and 1F1B exchange (and all but a few of ZB-H1's and
-  interleaved 1F1B's) moves each device's message to one neighbour at most,
-  each device receiving one at most: one `ppermute` moves it, where sending
-  activations on and gradients back takes two. Each way is then a tuple of
-  (sender, receiver, kind) messages one `ppermute` moves, `()` (nothing moves,
-  no collective) or `BOTH_WAYS`. Every device runs the same exchange at the
-  same time (the index depends on the exchange only), so all devices meet in
-  whichever collective it runs.
+  K = 1 a device sends one message a tick, to one neighbour. Where each device
+  also receives one at most, the exchange's messages form one permutation of
+  the devices and one `ppermute` moves them, where sending activations on and
+  gradients back takes two. That is every GPipe and 1F1B exchange, and all but
+  8 of ZB-H1's 27 and 2 of interleaved 1F1B's 38 at P=4, M=8. Every device runs
+  the same exchange at the same time (the index depends on the exchange only),
+  so all devices meet in whichever collective it runs.
 
   At K > 1 every exchange is `BOTH_WAYS`: a device sends one message each way
   in most of them, and a switch over ways held one more message buffer (0.25
   MiB more temporaries at P=4, M=16 in the benchmark) for a gain within the
   noise (2% in one A/B run on 13 cores, against 6-12% at K = 1).
 
+  Args:
+    schedule: the tick table.
+
+  Returns:
+    `(ways, index)`: the distinct `Way`s, `()` first, and the way of each
+    exchange e as `ways[index[e]]`.
+
   Example:
     >>> from parstrat._src.pipeline import engine, schedule
     >>> ways, index = engine.exchange_plan(schedule.build_schedule("1f1b", 2, 2))
-    >>> [ways[i] for i in index]  # doctest: +NORMALIZE_WHITESPACE
-    [((0, 1, 'activation'),), ((0, 1, 'activation'),), ((1, 0, 'gradient'),), (),
-     ((1, 0, 'gradient'),), ()]
+    >>> [ways[i] for i in index]
+    [((0, 1),), ((0, 1),), ((1, 0),), (), ((1, 0),), ()]
   """
   if schedule.exchange_every > 1:
     return [BOTH_WAYS], np.zeros(schedule.num_exchanges, np.int32)
-  ways: list[Any] = [()]
+  ways: list[Way] = [()]
   index = np.zeros(schedule.num_exchanges, np.int32)
   for e, messages in enumerate(schedule.messages()):
-    senders = [sender for sender, _, _ in messages]
-    receivers = [receiver for _, receiver, _ in messages]
-    one = len(set(senders)) == len(senders) and len(set(receivers)) == len(receivers)
-    way = tuple(sorted(messages)) if one else BOTH_WAYS
+    pairs = sorted({(sender, receiver) for sender, receiver, _ in messages})
+    senders, receivers = [a for a, _ in pairs], [b for _, b in pairs]
+    is_permutation = len(set(senders)) == len(pairs) and len(set(receivers)) == len(pairs)
+    way = tuple(pairs) if is_permutation else BOTH_WAYS
     if way not in ways:
       ways.append(way)
     index[e] = ways.index(way)
@@ -872,17 +881,14 @@ def pipeline_loss_and_grad(
         )
       if not way:
         return fill, fill
-      sends_gradient = np.zeros(P, bool)
-      for sender, _, kind in way:
-        sends_gradient[sender] = kind == "gradient"
-      message = jnp.where(jnp.asarray(sends_gradient)[stage], send_grad, send_act)
-      arrived = lax.ppermute(message, stage_axis, perm=[(a, b) for a, b, _ in way])
+      # (only at K = 1, where a device's one message goes on or back: send_act is send_grad)
+      arrived = lax.ppermute(send_act, stage_axis, perm=list(way))
       return arrived, arrived  # (kept where the receiver's table names a slot)
 
     return run
 
-  ways, way_index = exchange_plan(schedule)
-  moves, way_index = [move(way) for way in ways], jnp.asarray(way_index)
+  ways, way_of_exchange = exchange_plan(schedule)
+  moves, way_index = [move(way) for way in ways], jnp.asarray(way_of_exchange)
 
   def exchange(e, carry):
     """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""

@@ -383,6 +383,9 @@ class Schedule:
     neighbour at most, each device receiving one at most: one permutation of
     the devices (see `engine.exchange_plan`).
 
+    Returns:
+      One set per exchange (T / K of them), empty where no device keeps anything.
+
     Example:
       >>> from parstrat._src.pipeline import schedule
       >>> messages = schedule.build_schedule("1f1b", 2, 2).messages()
