@@ -294,7 +294,7 @@ def _ppermutes_per_exchange(schedule, **options):
 def test_a_step_at_k1_runs_one_ppermute_per_exchange():
   assert _ppermutes_per_exchange("1f1b") == (1, 0)
   assert _ppermutes_per_exchange("gpipe", activations="save") == (1, 0)
-  assert _ppermutes_per_exchange("zb_h1") == (2, 0)  # (its few two-way exchanges)
+  assert _ppermutes_per_exchange("zb_h1") == (2, 0)  # (in its 8 two-way exchanges)
   assert _ppermutes_per_exchange("1f1b", exchange_every=2) == (0, 2)
 
 

@@ -536,10 +536,11 @@ def exchange_plan(schedule: Schedule) -> tuple[list[Way], np.ndarray]:
   the same exchange at the same time (the index depends on the exchange only),
   so all devices meet in whichever collective it runs.
 
-  At K > 1 every exchange is `BOTH_WAYS`: a device sends one message each way
-  in most of them, and a switch over ways held one more message buffer (0.25
-  MiB more temporaries at P=4, M=16 in the benchmark) for a gain within the
-  noise (2% in one A/B run on 13 cores, against 6-12% at K = 1).
+  At K > 1 every exchange is `BOTH_WAYS`: a device may send a message each way
+  (half of 1F1B's 14 exchanges at P=4, M=8, K=2 need two `ppermute`s), and a
+  switch over ways held one more message buffer (0.25 MiB more temporaries at
+  P=4, M=16 in the benchmark) for a gain within the noise (2% in one A/B run on
+  13 cores, against 6-12% at K = 1).
 
   Args:
     schedule: the tick table.
