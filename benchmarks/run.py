@@ -77,6 +77,7 @@ from references import shard_map_dp_reference  # noqa: E402
 from references import shard_map_gpipe_reference  # noqa: E402
 
 import parstrat  # noqa: E402
+from parstrat._src import hlo_check  # noqa: E402
 from parstrat._src.hybrid import schedule_for  # noqa: E402
 
 LR = 1e-3
@@ -116,8 +117,10 @@ def measured_bubble(trainer, state, batch):
   From a `jax.profiler` trace of one compiled step: per device (the trace's
   `device_ordinal`), the loop's span from its first to its last `conditional`
   (the engine's `lax.switch` over the tick's pass) minus the time inside them,
-  over the span; the mean over devices. This counts idle ticks and also the
-  messages and buffer updates between ticks; on virtual CPU devices sharing
+  over the span; the mean over devices. The exchange's switch (every device
+  takes the same branch: `hlo_check.uniform_switches` names it in the compiled
+  step) is not a pass and counts as outside. This counts idle ticks and also
+  the messages and buffer updates between ticks; on virtual CPU devices sharing
   cores, a device waiting for a core looks busy, so the number is a rough one.
 
   Returns:
@@ -133,10 +136,13 @@ def measured_bubble(trainer, state, batch):
     with gzip.open(files[0]) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  exchanges = hlo_check.uniform_switches(trainer.lower(state, batch).compile().as_text())
   spans: dict[str, list[tuple[float, float]]] = {}
   for e in events:
     args = e.get("args", {})
-    if e.get("ph") == "X" and e["name"].startswith("conditional") and "device_ordinal" in args:
+    name = e.get("name", "")
+    passes = name.startswith("conditional") and name not in exchanges
+    if e.get("ph") == "X" and passes and "device_ordinal" in args:
       spans.setdefault(args["device_ordinal"], []).append((e["ts"], e["ts"] + e["dur"]))
   shares = []
   for intervals in spans.values():

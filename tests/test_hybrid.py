@@ -19,15 +19,19 @@ def test_matches_single_device_jit(data, stages):
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1", "interleaved_1f1b"])
-def test_zero_bubble_and_interleaved_match_single_device_jit(schedule):
+@pytest.mark.parametrize(
+  "schedule, stages, microbatches", [("gpipe", 2, 2), ("zb_h1", 4, 8), ("interleaved_1f1b", 2, 2)]
+)
+def test_zero_bubble_and_interleaved_match_single_device_jit(schedule, stages, microbatches):
   # 2 replicas x 2 devices; interleaved: 4 model stages, 2 per device, an exchange
   # after every tick (its default, every 2, runs in tests/test_hybrid_model_axis.py).
+  # ZB-H1: 2 replicas x 4 devices at M = 2P, where some gradients wait on their sender
+  # for a later exchange (`engine.exchange_plan`).
   # SGD only (Adam runs on all three schedules in tests/test_pipeline.py).
   strategy = parstrat.Hybrid(
     data=2,
-    stages=2,
-    microbatches=2,
+    stages=stages,
+    microbatches=microbatches,
     schedule=schedule,
     exchange_every=1,
     bubble_value=float("nan"),

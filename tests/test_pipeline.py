@@ -220,10 +220,12 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
 # Zero bubble (backward split into I and W) and interleaved virtual stages (8 model
 # stages on 4 devices: DEEP_MLP's 8 layers, chunk c on device c % 4, wrapping from
 # device 3 to device 0), NaN in every bubble.
+# ZB-H1 at M = 2P, where some gradients wait on their sender for a later exchange
+# (`engine.exchange_plan`; at M = P nothing waits).
 # Interleaved at `exchange_every=1` (its default, 2, runs in the tests below).
 @pytest.mark.parametrize(
   "stages, microbatches, schedule, virtual_stages",
-  [(4, 4, "zb_h1", None), (4, 4, "interleaved_1f1b", 2)],
+  [(4, 8, "zb_h1", None), (4, 4, "interleaved_1f1b", 2)],
 )
 def test_zero_bubble_and_interleaved_match_jit(stages, microbatches, schedule, virtual_stages):
   strategy = parstrat.PipelineModelParallel(
@@ -255,15 +257,22 @@ def test_interleaved_exchanges_every_two_ticks_unless_told_otherwise():
     assert ("(an exchange every 2)" in description) == (runs == 2), (schedule, given)
 
 
-def test_exchanges_take_two_ppermutes_only_where_a_device_receives_from_both_sides():
-  # Every GPipe and 1F1B exchange is one permutation at K = 1 (`tests/test_schedule.py::
-  # test_every_exchange_keeps_the_messages_the_passes_send`); ZB-H1's and interleaved's
-  # are but for the ticks where a device receives from both neighbours at once.
-  for name, v, two_way in (("zb_h1", 1, 8), ("interleaved_1f1b", 2, 2)):
-    ways, index = engine.exchange_plan(pipeline.build_schedule(name, 4, 8, virtual_stages=v))
-    assert sum(ways[i] == engine.BOTH_WAYS for i in index) == two_way, name
-  ways, _ = engine.exchange_plan(pipeline.build_schedule("1f1b", 4, 8, exchange_every=2))
-  assert ways == [engine.BOTH_WAYS]
+def test_exchanges_take_two_ppermutes_only_where_two_messages_cannot_wait():
+  # Every GPipe and 1F1B exchange is one permutation at K = 1 as the table has it;
+  # ZB-H1's become one where a gradient waits on its sender through a W pass
+  # (`tests/test_schedule.py::test_the_exchange_plan_delivers_what_the_table_does`);
+  # interleaved's devices send every tick of its steady state, so at P=4, M=8 nothing
+  # waits and 2 of its exchanges still take two.
+  for name, v, two_way, waits in (
+    ("1f1b", 1, 0, False),
+    ("zb_h1", 1, 0, True),
+    ("interleaved_1f1b", 2, 2, False),
+  ):
+    plan = engine.exchange_plan(pipeline.build_schedule(name, 4, 8, virtual_stages=v))
+    assert sum(plan.ways[i] == engine.BOTH_WAYS for i in plan.way_index) == two_way, name
+    assert plan.waits == waits, name
+  plan = engine.exchange_plan(pipeline.build_schedule("1f1b", 4, 8, exchange_every=2))
+  assert plan.ways == (engine.BOTH_WAYS,) and not plan.waits
 
 
 def _ppermutes_per_exchange(schedule, **options):
@@ -294,7 +303,12 @@ def _ppermutes_per_exchange(schedule, **options):
 def test_a_step_at_k1_runs_one_ppermute_per_exchange():
   assert _ppermutes_per_exchange("1f1b") == (1, 0)
   assert _ppermutes_per_exchange("gpipe", activations="save") == (1, 0)
-  assert _ppermutes_per_exchange("zb_h1") == (2, 0)  # (in its 8 two-way exchanges)
+  assert _ppermutes_per_exchange("zb_h1") == (1, 0)  # (some gradients wait for it)
+  assert _ppermutes_per_exchange("zb_h1", activations="save") == (1, 0)
+  assert _ppermutes_per_exchange("interleaved_1f1b", virtual_stages=2, exchange_every=1) == (
+    2,
+    0,
+  )  # (in its 2 exchanges where two messages reach one device and neither can wait)
   assert _ppermutes_per_exchange("1f1b", exchange_every=2) == (0, 2)
 
 

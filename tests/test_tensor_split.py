@@ -235,6 +235,9 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   per_stage = text.replace("SCOPE", "stage")
   assert [c.name for c in hlo_check.branch_collectives(per_stage)] == ["move"]
   assert len(hlo_check.branch_problems(per_stage, mesh)) == 1
+  # The benchmark's measured bubble tells the exchange from the pass switch by name.
+  assert hlo_check.uniform_switches(uniform) == {"c"}
+  assert hlo_check.uniform_switches(per_stage) == set()
 
 
 def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids():

@@ -123,6 +123,22 @@ def _computations(text: str) -> dict[str, list[str]]:
   return comps
 
 
+def uniform_switches(text: str) -> set[str]:
+  """The names of the `conditional`s traced under `UNIFORM_SCOPE` in compiled HLO `text`.
+
+  Every device takes the same branch of these (the pipeline's exchange). A
+  profiler trace names its events after the instructions, so these names tell
+  the exchange apart from the per-tick pass switch there too.
+  """
+  return {
+    m.group(1)
+    for line in text.splitlines()
+    if _UNIFORM.search(line)
+    for m in [_INSTRUCTION.match(line)]
+    if m
+  }
+
+
 def branch_instructions(text: str) -> list[tuple[str, str, str]]:
   """`(opcode, name, line)` of every instruction reachable from a `conditional`'s branches.
 

@@ -5,8 +5,9 @@ largest stage), and the activations crossing stage boundaries as rows of a
 flat `[microbatch, W]` buffer (padded to the widest boundary). At every tick a
 `lax.switch` on (action, stage index) runs only the device's own stage, then
 the exchange moves activations to the next stage and gradients to the previous
-one: in one `ppermute` where each device receives one message at most, in two
-where a device receives from both neighbours at once (`exchange_plan`).
+one: in one `ppermute` where each device receives one message at most (a message
+may wait on its sender for a later exchange to make it so), in two where a device
+receives two messages that cannot wait (`exchange_plan`).
 
 With `SplitLayout`, a stage's linear layers are also split Megatron-style over a
 mesh axis (e.g. "model") that the `jax.shard_map` leaves automatic: each device
@@ -524,50 +525,121 @@ BOTH_WAYS = "both ways"
 Way = tuple[tuple[int, int], ...] | str
 
 
-def exchange_plan(schedule: Schedule) -> tuple[list[Way], np.ndarray]:
-  """The distinct ways the schedule's exchanges move messages, and `[E]` indices into them.
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExchangePlan:
+  """How the engine moves a schedule's messages, exchange by exchange.
+
+  Attributes:
+    ways: the distinct `Way`s, `()` first.
+    way_index: `[E]` the way of each exchange e, as `ways[way_index[e]]`.
+    recv_act_slot: `[E, P]` the stash slot where the activation arriving in
+      exchange e is stored (-1: none arrives).
+    recv_grad_slot: `[E, P]` likewise for gradients.
+    waits: whether some message waits on its sender past the exchange after
+      its tick (then each device keeps its last message in an outbox).
+  """
+
+  ways: tuple[Way, ...]
+  way_index: np.ndarray
+  recv_act_slot: np.ndarray
+  recv_grad_slot: np.ndarray
+  waits: bool
+
+
+def exchange_plan(schedule: Schedule) -> ExchangePlan:
+  """When and how each of the schedule's messages moves: one `ppermute` an exchange where it can.
 
   A collective is a rendezvous of every device, so each one costs a wait. At
   K = 1 a device sends one message a tick, to one neighbour. Where each device
   also receives one at most, the exchange's messages form one permutation of
   the devices and one `ppermute` moves them, where sending activations on and
-  gradients back takes two. That is every GPipe and 1F1B exchange, and all but
-  8 of ZB-H1's 27 and 2 of interleaved 1F1B's 38 at P=4, M=8. Every device runs
-  the same exchange at the same time (the index depends on the exchange only),
-  so all devices meet in whichever collective it runs.
+  gradients back takes two. That is every GPipe and 1F1B exchange as the table
+  has it. Where a device would receive from both neighbours at once, one
+  message may wait on its sender for a later exchange: until the tick before
+  its receiver reads it, and before its sender sends again (a device keeps one
+  message, its last, in an outbox). Exchange by exchange, the messages that
+  cannot wait go, and those that can go too where their receiver is free;
+  only where two that cannot wait reach one device does the exchange take two
+  `ppermute`s. That leaves none in ZB-H1 (whose W passes send nothing: the I
+  pass's gradient waits through them; 8 of its 27 exchanges at P=4, M=8
+  would otherwise take two) and 2 of interleaved 1F1B's 38 at P=4, M=8 (its
+  devices send in every tick of its steady state, so nothing waits there; at
+  P=4, M=4 one message waits and none takes two). Every
+  device runs the same exchange at the same time (the way depends on the
+  exchange only), so all devices meet in whichever collective it runs.
 
-  At K > 1 every exchange is `BOTH_WAYS`: a device may send a message each way
-  (half of 1F1B's 14 exchanges at P=4, M=8, K=2 need two `ppermute`s), and a
-  switch over ways held one more message buffer (0.25 MiB more temporaries at
-  P=4, M=16 in the benchmark) for a gain within the noise (2% in one A/B run on
-  13 cores, against 6-12% at K = 1).
+  At K > 1 every exchange is `BOTH_WAYS` and moves what its ticks sent: a
+  device may send a message each way (half of 1F1B's 14 exchanges at P=4,
+  M=8, K=2 need two `ppermute`s), and a switch over ways held one more message
+  buffer (0.25 MiB more temporaries at P=4, M=16 in the benchmark) for a gain
+  within the noise (2% in one A/B run on 13 cores, against 6-12% at K = 1).
 
   Args:
-    schedule: the tick table.
+    schedule: the tick table (checked: every message has a reader).
 
   Returns:
-    `(ways, index)`: the distinct `Way`s, `()` first, and the way of each
-    exchange e as `ways[index[e]]`.
+    The `ExchangePlan`.
 
   Example:
     >>> from parstrat._src.pipeline import engine, schedule
-    >>> ways, index = engine.exchange_plan(schedule.build_schedule("1f1b", 2, 2))
-    >>> [ways[i] for i in index]
+    >>> plan = engine.exchange_plan(schedule.build_schedule("1f1b", 2, 2))
+    >>> [plan.ways[i] for i in plan.way_index]
     [((0, 1),), ((0, 1),), ((1, 0),), (), ((1, 0),), ()]
   """
-  if schedule.exchange_every > 1:
-    return [BOTH_WAYS], np.zeros(schedule.num_exchanges, np.int32)
+  K, T = schedule.exchange_every, schedule.num_ticks
+  if K > 1:
+    last = slice(K - 1, T, K)  # (a message arrives after its exchange's last tick)
+    return ExchangePlan(
+      (BOTH_WAYS,),
+      np.zeros(schedule.num_exchanges, np.int32),
+      schedule.recv_act_slot[last],
+      schedule.recv_grad_slot[last],
+      False,
+    )
+  P, G = schedule.stages, schedule.model_stages
+  stage = np.maximum(schedule.model_stage, 0)
+  sends = [
+    [
+      any(schedule_lib.sends(Action(int(schedule.action[t, d])), int(stage[t, d]), G))
+      for d in range(P)
+    ]
+    for t in range(T)
+  ]
+  tables = {
+    "activation": (schedule.recv_act_slot, schedule.act_slot),
+    "gradient": (schedule.recv_grad_slot, schedule.grad_slot),
+  }
+  receive = {kind: np.full((T, P), -1, np.int32) for kind in tables}
   ways: list[Way] = [()]
-  index = np.zeros(schedule.num_exchanges, np.int32)
+  way = np.zeros(T, np.int32)
+  # (the last exchange it can move in, sender, receiver, kind, receiver's slot)
+  waiting: list[tuple[int, int, int, str, int]] = []
   for e, messages in enumerate(schedule.messages()):
-    pairs = sorted({(sender, receiver) for sender, receiver, _ in messages})
-    senders, receivers = [a for a, _ in pairs], [b for _, b in pairs]
-    is_permutation = len(set(senders)) == len(pairs) and len(set(receivers)) == len(pairs)
-    way = tuple(pairs) if is_permutation else BOTH_WAYS
-    if way not in ways:
-      ways.append(way)
-    index[e] = ways.index(way)
-  return ways, index
+    for sender, receiver, kind in messages:
+      recv_slot, read_slot = tables[kind]
+      slot = int(recv_slot[e, receiver])
+      read = next((u for u in range(e + 1, T) if read_slot[u, receiver] == slot), T)
+      resend = next((u for u in range(e + 1, T) if sends[u][sender]), T)
+      waiting.append((min(read, resend) - 1, sender, receiver, kind, slot))
+    waiting.sort()
+    due = [m for m in waiting if m[0] == e]
+    if len({m[2] for m in due}) < len(due):  # (a device receives two that cannot wait)
+      moving, this_way = waiting, BOTH_WAYS
+    else:
+      moving, busy = list(due), {m[2] for m in due}
+      for m in waiting:
+        if m[0] > e and m[2] not in busy:
+          moving.append(m)
+          busy.add(m[2])
+      this_way = tuple(sorted((m[1], m[2]) for m in moving))
+    for _, _, receiver, kind, slot in moving:
+      receive[kind][e, receiver] = slot
+    waiting = [m for m in waiting if m not in moving]
+    if this_way not in ways:
+      ways.append(this_way)
+    way[e] = ways.index(this_way)
+  waits = any(not np.array_equal(receive[kind], tables[kind][0]) for kind in tables)
+  return ExchangePlan(tuple(ways), way, receive["activation"], receive["gradient"], waits)
 
 
 def pipeline_loss_and_grad(
@@ -608,12 +680,13 @@ def pipeline_loss_and_grad(
                     no forward and no gradient chain rerun
           IDLE:     nothing
       exchange: send the exchange's one activation on and one gradient back
-      (`bubble_value` where its ticks computed none; at K = 1 the tick's one
-      message goes both ways), in one `ppermute` where the schedule's messages
-      of this exchange form one permutation of the devices (`exchange_plan`:
-      picked by e, the same on every device), else in two; store what arrived
-      from device s-1 / s+1 into the slots the schedule names (a correct
-      schedule reads nothing else)
+      (`bubble_value` where its ticks computed none; at K = 1 the device's last
+      message, kept in an outbox where the plan lets messages wait, goes both
+      ways), in one `ppermute` where the messages the plan moves in exchange e
+      form one permutation of the devices (`exchange_plan`: picked by e, the
+      same on every device), else in two; store what arrived from device
+      s-1 / s+1 into the slots the plan names (a correct schedule reads
+      nothing else)
     add the gradients of common[j] into the row layout of d params[j]
     loss = psum over stages of the last stage's summed microbatch losses / M
 
@@ -658,8 +731,6 @@ def pipeline_loss_and_grad(
         np.maximum(schedule.microbatch, 0),
         schedule.act_slot,
         schedule.grad_slot,
-        schedule.recv_act_slot,
-        schedule.recv_grad_slot,
       ]
     )
   )
@@ -888,17 +959,18 @@ def pipeline_loss_and_grad(
 
     return run
 
-  ways, way_of_exchange = exchange_plan(schedule)
-  moves, way_index = [move(way) for way in ways], jnp.asarray(way_of_exchange)
+  plan = exchange_plan(schedule)
+  moves, way_index = [move(way) for way in plan.ways], jnp.asarray(plan.way_index)
+  receive = jnp.asarray(np.stack([plan.recv_act_slot, plan.recv_grad_slot]))
 
   def exchange(e, carry):
     """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""
-    stash, inbox, saved, pending, grads, loss = carry
-    send_act = send_grad = fill
+    stash, inbox, saved, pending, grads, loss, outbox = carry
+    send_act = send_grad = fill if outbox is None else outbox
     for k in range(K):
       t = e * K + k
-      index, m, a_slot, g_slot, _, _, r_slot, sends_act, sends_grad, h_slot = (
-        tables[i, t, stage] for i in range(10)
+      index, m, a_slot, g_slot, r_slot, sends_act, sends_grad, h_slot = (
+        tables[i, t, stage] for i in range(8)
       )
       # A pass sends at most one message (an activation on or a gradient back).
       message, grads, saved, pending, d_loss = lax.switch(
@@ -916,20 +988,21 @@ def pipeline_loss_and_grad(
         ys,
       )
       loss = loss + d_loss
-      if K == 1:  # (both ways: a neighbour keeps it only where the table names a slot)
+      if K == 1 and outbox is None:  # (both ways: kept where the receiver's table says)
         send_act = send_grad = message
+      elif K == 1:  # (the last message sent waits in the outbox until it moves)
+        send_act = send_grad = jnp.where(sends_act + sends_grad > 0, message, send_act)
       else:  # (a device sends at most one of each per exchange)
         send_act = jnp.where(sends_act > 0, message, send_act)
         send_grad = jnp.where(sends_grad > 0, message, send_grad)
-    last = e * K + K - 1  # the receive slots sit in the exchange's last tick
-    if len(ways) == 1:
+    if len(plan.ways) == 1:
       from_prev, from_next = moves[0](send_act, send_grad)
     else:  # (every device takes the same branch: see `hlo_check.UNIFORM_SCOPE`)
       with jax.named_scope(hlo_check.UNIFORM_SCOPE):
         from_prev, from_next = lax.switch(way_index[e], moves, send_act, send_grad)
-    stash = _put(stash, tables[4, last, stage], from_prev)
-    inbox = _put(inbox, tables[5, last, stage], from_next)
-    return stash, inbox, saved, pending, grads, loss
+    stash = _put(stash, receive[0, e, stage], from_prev)
+    inbox = _put(inbox, receive[1, e, stage], from_next)
+    return stash, inbox, saved, pending, grads, loss, None if outbox is None else send_act
 
   carry = (
     jnp.full((schedule.num_act_slots + 1, mb, W), bubble_value, dtype),  # (+ a spare:
@@ -941,8 +1014,9 @@ def pipeline_loss_and_grad(
       jax.tree.map(jnp.zeros_like, common),
     ),
     zero_loss,
+    fill if plan.waits else None,  # (the outbox)
   )
-  _, _, _, _, (row_grads, common_grads), loss = lax.fori_loop(
+  _, _, _, _, (row_grads, common_grads), loss, _ = lax.fori_loop(
     0, schedule.num_exchanges, exchange, carry
   )
   loss = lax.psum(loss, stage_axis) / M
