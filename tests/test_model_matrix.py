@@ -55,9 +55,10 @@ STRATEGIES = {
   "pipeline:2,exchange2": lambda: parstrat.PipelineModelParallel(
     stages=2, microbatches=4, exchange_every=2, activations="save"
   ),
-  # ZB-H1: its I and W passes are cut out of each stage's backward (backward_split).
+  # ZB-H1: its I and W passes are cut out of each stage's backward (backward_split);
+  # at M = 2P some gradients wait on their sender for a later exchange (exchange_plan).
   "pipeline:4,zb_h1": lambda: parstrat.PipelineModelParallel(
-    stages=4, microbatches=4, schedule="zb_h1"
+    stages=4, microbatches=8, schedule="zb_h1"
   ),
   "pipeline:2,zb_h1,dots": lambda: parstrat.PipelineModelParallel(
     stages=2, microbatches=4, schedule="zb_h1", activations="dots_saveable"
