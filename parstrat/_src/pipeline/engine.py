@@ -564,9 +564,9 @@ def exchange_plan(schedule: Schedule) -> ExchangePlan:
   pass's gradient waits through them; 8 of its 27 exchanges at P=4, M=8
   would otherwise take two) and 2 of interleaved 1F1B's 38 at P=4, M=8 (its
   devices send in every tick of its steady state, so nothing waits there; at
-  P=4, M=4 one message waits and none takes two). Every
-  device runs the same exchange at the same time (the way depends on the
-  exchange only), so all devices meet in whichever collective it runs.
+  P=4, M=4 one message waits and none takes two). Every device runs the same
+  exchange at the same time (the way depends on the exchange only), so all
+  devices meet in whichever collective it runs.
 
   At K > 1 every exchange is `BOTH_WAYS` and moves what its ticks sent: a
   device may send a message each way (half of 1F1B's 14 exchanges at P=4,
