@@ -516,6 +516,12 @@ def branch_table(schedule: Schedule) -> tuple[list[tuple[Action, int]], np.ndarr
   return keys, table
 
 
+def _sends(schedule: Schedule) -> np.ndarray:
+  """`[2, T, P]`: whether each tick's pass sends an activation on (row 0) or a gradient back."""
+  stage = np.maximum(schedule.model_stage, 0)
+  return np.stack(np.vectorize(schedule_lib.sends)(schedule.action, stage, schedule.model_stages))
+
+
 #: An exchange whose messages no one permutation moves: activations on and gradients
 #: back, in two `ppermute`s.
 BOTH_WAYS = "both ways"
@@ -596,15 +602,8 @@ def exchange_plan(schedule: Schedule) -> ExchangePlan:
       schedule.recv_grad_slot[last],
       False,
     )
-  P, G = schedule.stages, schedule.model_stages
-  stage = np.maximum(schedule.model_stage, 0)
-  sends = [
-    [
-      any(schedule_lib.sends(Action(int(schedule.action[t, d])), int(stage[t, d]), G))
-      for d in range(P)
-    ]
-    for t in range(T)
-  ]
+  P = schedule.stages
+  sends = _sends(schedule).any(axis=0)  # ([T, P]: a device's pass sends a message)
   tables = {
     "activation": (schedule.recv_act_slot, schedule.act_slot),
     "gradient": (schedule.recv_grad_slot, schedule.grad_slot),
@@ -619,7 +618,7 @@ def exchange_plan(schedule: Schedule) -> ExchangePlan:
       recv_slot, read_slot = tables[kind]
       slot = int(recv_slot[e, receiver])
       read = next((u for u in range(e + 1, T) if read_slot[u, receiver] == slot), T)
-      resend = next((u for u in range(e + 1, T) if sends[u][sender]), T)
+      resend = next((u for u in range(e + 1, T) if sends[u, sender]), T)
       waiting.append((min(read, resend) - 1, sender, receiver, kind, slot))
     waiting.sort()
     due = [m for m in waiting if m[0] == e]
@@ -938,8 +937,7 @@ def pipeline_loss_and_grad(
   tables = jnp.concatenate([tables, jnp.asarray(res_slot[None])])
 
   K = schedule.exchange_every
-  sends = np.vectorize(schedule_lib.sends)(schedule.action, np.maximum(schedule.model_stage, 0), G)
-  tables = jnp.concatenate([tables, jnp.asarray(np.stack(sends).astype(np.int32))])
+  tables = jnp.concatenate([tables, jnp.asarray(_sends(schedule).astype(np.int32))])
   tables = jnp.concatenate([tables, jnp.asarray(handoff_slot[None])])
 
   def move(way):
