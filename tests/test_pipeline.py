@@ -312,6 +312,18 @@ def test_a_step_at_k1_runs_one_ppermute_per_exchange():
   assert _ppermutes_per_exchange("1f1b", exchange_every=2) == (0, 2)
 
 
+def test_one_device_interleaved_passes_chunk_to_chunk_without_a_collective():
+  strategy = parstrat.PipelineModelParallel(
+    stages=1, microbatches=4, schedule="interleaved_1f1b", virtual_stages=2, exchange_every=1
+  )
+  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+  images, labels = parstrat.testing.random_batches(1, 16)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  step = trainer._compiled_step.trace(state, (images[0], labels[0])).jaxpr.jaxpr
+  assert _count(step, "ppermute") == 0  # (a one-device ppermute is a rendezvous for nothing)
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=2, batch=16)
+
+
 def test_a_schedule_read_from_csv_runs():
   # Designed by hand: stage 1 runs full backwards, stage 0 splits its second one into
   # an input-gradient and a weight-gradient pass.

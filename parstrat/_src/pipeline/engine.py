@@ -951,6 +951,8 @@ def pipeline_loss_and_grad(
         )
       if not way:
         return fill, fill
+      if all(sender == receiver for sender, receiver in way):  # (P = 1: chunk to chunk)
+        return send_act, send_act
       # (only at K = 1, where a device's one message goes on or back: send_act is send_grad)
       arrived = lax.ppermute(send_act, stage_axis, perm=list(way))
       return arrived, arrived  # (kept where the receiver's table names a slot)
