@@ -220,6 +220,12 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
     ("hidden = []", "run.toml: hidden = []: expected at least one value"),
     ("epochs = ", "run.toml: not valid TOML"),
+    ("seed = -1", "run.toml: seed = -1: expected an integer >= 0, got -1"),
+    ("epochs = 2\n[train]\nseed = 1", "run.toml: keys both in a [train] table and outside it"),
+    # (names the run's code looks up: checked before any data loads)
+    ('strategy = "pipline"', "run.toml: strategy = 'pipline': Unknown strategy 'pipline'"),
+    ('optimizer = "adamm"', "run.toml: optimizer = 'adamm': Unknown optimizer 'adamm' (choose"),
+    ('precision = "mixed_bf16"', "run.toml: precision = 'mixed_bf16': Unknown precision"),
   ],
 )
 def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys, text, message):
@@ -271,7 +277,9 @@ def test_optimizers_by_name_and_schedules():
     for decay in (0.0, 1e-4):
       tx = optimizers.make_optimizer(name, 1e-3, weight_decay=decay, clip_norm=1.0)
       assert isinstance(tx, optax.GradientTransformation)
-  with pytest.raises(ValueError, match="Unknown optimizer 'adamm'; did you mean 'adam'"):
+  with pytest.raises(
+    ValueError, match=r"Unknown optimizer 'adamm' \(choose one of adam, .*\); did you mean 'adam'\?"
+  ):
     optimizers.make_optimizer("adamm", 1e-3)
   with pytest.raises(ValueError, match="pass --steps"):
     optimizers.learning_rate_schedule(1.0, schedule="cosine", warmup_steps=0, total_steps=None)

@@ -1,5 +1,9 @@
 """Schedules are plain data: checked here without any device."""
 
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -279,14 +283,24 @@ def _tables(s):
 
 
 @pytest.mark.parametrize(
-  "name, stages, microbatches, v",
-  [("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("zb_h1", 4, 8, 1), ("interleaved_1f1b", 4, 8, 2)],
+  "name, stages, microbatches, v, k",
+  [
+    ("gpipe", 3, 4, 1, 1),
+    ("1f1b", 4, 6, 1, 1),
+    ("zb_h1", 4, 8, 1, 1),
+    ("interleaved_1f1b", 4, 8, 2, 1),
+    ("interleaved_1f1b", 2, 4, 2, 2),  # (what `parstrat schedule --csv` writes for it)
+    ("zb_h1", 4, 8, 1, 2),
+    ("gpipe", 3, 4, 1, 3),
+  ],
 )
-def test_csv_round_trip(name, stages, microbatches, v):
-  s = pipeline.build_schedule(name, stages, microbatches, virtual_stages=v)
+def test_csv_round_trip(name, stages, microbatches, v, k):
+  s = pipeline.build_schedule(name, stages, microbatches, virtual_stages=v, exchange_every=k)
   text = pipeline.to_csv(s)
-  back = pipeline.from_csv(text)
+  back = pipeline.from_csv(text, exchange_every=k)
   assert (back.stages, back.microbatches, back.virtual_stages) == (stages, microbatches, v)
+  assert (back.exchange_every, back.num_exchanges) == (k, s.num_exchanges)
+  np.testing.assert_array_equal(back.recv_grad_slot, s.recv_grad_slot)
   for a, b in zip(_tables(s), _tables(back), strict=True):
     np.testing.assert_array_equal(a, b)
   assert pipeline.to_csv(back) == text
@@ -303,6 +317,17 @@ def test_csv_is_torch_pipelinings_format():
   # A table designed elsewhere: rows may be ragged, and a stage may mix B with I/W.
   mixed = pipeline.from_csv("0F0,0F1,,0B0,,0I1,0W1\n,1F0,1B0,1F1,1I1,1W1\n")
   assert mixed.num_ticks == 7 and mixed.max_live_activations() == [2, 1]
+  # torch before 2.6 wrote I as B (next to a W) and a full backward as BW.
+  legacy = "0F0,0F1,,0B0,0W0,0B1,0W1\n,1F0,1B0,1F1,1B1,1W0,1W1\n"
+  np.testing.assert_array_equal(
+    pipeline.from_csv(legacy).action, pipeline.build_schedule("zb_h1", 2, 2).action
+  )
+  full = pipeline.to_csv(pipeline.build_schedule("1f1b", 2, 2)).replace("B", "BW")
+  np.testing.assert_array_equal(
+    pipeline.from_csv(full).action, pipeline.build_schedule("1f1b", 2, 2).action
+  )
+  # Trailing blank and whitespace-only lines are no devices.
+  assert pipeline.from_csv("0F0,,,0B0\n,1F0,1B0,\n \n\n").stages == 2
   # retime: only each row's order counts; ticks are recomputed as early as possible.
   squeezed = pipeline.from_csv("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n", retime=True)
   np.testing.assert_array_equal(squeezed.action, pipeline.build_schedule("1f1b", 2, 2).action)
@@ -326,6 +351,15 @@ def test_csv_is_torch_pipelinings_format():
       "stage 1's gradient, computed at tick 1: it must come later",
     ),
     ("", "no rows"),
+    (" \n\n", "no rows"),
+    ("0F0,,0B0\n\n,1F0,1B0\n", r"Row 1 of 3 is empty: each row is one device's actions"),
+    ("0F0,0SEND_F0\n", r"Row 0, column 1: '0SEND_F0' is one of torch's communication actions"),
+    ("0UNSHARD,0F0\n", r"Row 0, column 0: '0UNSHARD' is one of torch's communication actions"),
+    ("0F0,0B0,0F99999999999\n", r"column 2: '0F99999999999': a stage or microbatch index above"),
+    (  # (named at once, not after walking a hundred million microbatches)
+      "0F0,0B0,0F99999999\n",
+      r"stage 0 never runs the forward \(F\) of microbatch 1: .* 100000000 forwards and has 2",
+    ),
   ],
 )
 def test_csv_import_names_the_problem(text, message):
@@ -333,6 +367,21 @@ def test_csv_import_names_the_problem(text, message):
     pipeline.from_csv(text)
   if "must come later" in message:  # the same order, retimed, is fine
     pipeline.from_csv(text, retime=True)
+
+
+def test_schedule_checks_hold_under_python_optimize():
+  # The checks raise, not `assert`: `python -O` must not run a broken table.
+  code = (
+    "from parstrat import pipeline\n"
+    "try:\n"
+    "  pipeline.from_csv('0F0,,0B0\\n1F0,1B0,\\n')\n"  # (stage 1 runs with stage 0)
+    "except ValueError as e:\n"
+    "  print('refused:', e)\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True, timeout=120
+  )
+  assert "refused:" in out.stdout, out.stdout + out.stderr
 
 
 # ------------------------------------------------------------------------ CLI
@@ -370,6 +419,32 @@ def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["schedule", "--help"])
   assert "(default: 1f1b)" in capsys.readouterr().out
+
+
+def test_cli_schedule_says_which_file_it_wrote_and_refuses_what_it_cannot_write(tmp_path, capsys):
+  from parstrat._src import cli
+
+  args = ["schedule", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved_1f1b"]
+  assert (
+    cli.main([*args, "--out", str(tmp_path / "timeline"), "--csv", str(tmp_path / "i.csv")]) == 0
+  )
+  out = capsys.readouterr().out
+  assert f"wrote {tmp_path / 'timeline.png'}\n" in out and (tmp_path / "timeline.png").exists()
+  # Interleaved exchanges every 2 ticks by default; the CSV cannot say so.
+  assert "i.csv (ticks only: read it back with pipeline.from_csv(text, exchange_every=2))" in out
+  back = pipeline.from_csv((tmp_path / "i.csv").read_text(), exchange_every=2)
+  drawn = pipeline.build_schedule("interleaved_1f1b", 2, 4, virtual_stages=2, exchange_every=2)
+  assert back.num_exchanges == drawn.num_exchanges == 12
+  for out_arg, message in (
+    (tmp_path / "t.txt", "--out: cannot draw into .*t.txt: matplotlib does not write '.txt' files"),
+    (tmp_path, "is a directory; give an image file"),
+  ):
+    assert cli.main([*args, "--out", str(out_arg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and "\n" not in err, err
+  assert (
+    not (tmp_path / "t.txt").exists() and not (tmp_path.parent / f"{tmp_path.name}.png").exists()
+  )
 
 
 def test_lockstep_time_charges_each_tick_its_slowest_pass():

@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="clip the gradients' global norm to this (optax.clip_by_global_norm)",
   )
-  train.add_argument("--seed", type=int, default=0, help="params and data-order seed")
+  train.add_argument("--seed", type=_non_negative, default=0, help="params and data-order seed")
   train.add_argument(
     "--devices",
     type=_positive,
@@ -438,7 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     help="ticks (passes) each device runs between two message exchanges "
     "(default: what the strategies run, 2 for interleaved_1f1b, else 1)",
   )
-  sched.add_argument("--out", default=None, help="PNG file to draw the timeline into")
+  sched.add_argument(
+    "--out",
+    default=None,
+    help="image file to draw the timeline into (.png, .svg, .pdf; no extension: .png)",
+  )
   sched.add_argument(
     "--csv", default=None, help="CSV file to write the schedule into (torch.distributed format)"
   )
@@ -471,6 +475,13 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   # What only the file set: a strategy named on the command line may not take it.
   merged.from_config = {k for k, v in vars(merged).items() if getattr(args, k, None) != v}
   return merged
+
+
+def _bad_option(args: argparse.Namespace, key: str, message: str) -> UsageError:
+  """The error for a bad value of option `key`, naming the config file where it was set."""
+  if key in getattr(args, "from_config", ()):
+    return UsageError(f"{args.config}: {key.replace('_', '-')} = {getattr(args, key)!r}: {message}")
+  return UsageError(message)
 
 
 def _setup_devices(count: int) -> None:
@@ -785,11 +796,23 @@ def train(args: argparse.Namespace) -> dict:
       if not strategies[name].deferred:  # fail on an impossible mesh before loading data
         strategies[name].make_mesh()
     except KeyError as e:
-      raise UsageError(e.args[0]) from None
+      raise _bad_option(args, "strategy", e.args[0]) from None
     except TooFewDevicesError as e:
       raise UsageError(_devices_hint(e, devices)) from None
     except (TypeError, ValueError) as e:
       raise UsageError(str(e)) from None
+  # The names checked before any data loads: a typo costs nothing.
+  from parstrat._src import optimizers
+  from parstrat._src import precision
+
+  for key, check in (
+    ("optimizer", lambda name: optimizers.make_optimizer(name, 1.0)),
+    ("precision", precision.resolve_policy),
+  ):
+    try:
+      check(getattr(args, key))
+    except ValueError as e:
+      raise _bad_option(args, key, str(e)) from None
 
   try:
     data = run_data.load(
@@ -1209,11 +1232,14 @@ def schedule(args: argparse.Namespace) -> None:
   if args.out:
     from parstrat._src.pipeline import drawing
 
+    if pathlib.Path(args.out).is_dir():
+      raise UsageError(f"--out {args.out} is a directory; give an image file, e.g. schedule.png")
     try:
-      drawing.draw_schedule(table, args.out)
+      wrote.append(drawing.draw_schedule(table, args.out))
+    except ValueError as e:
+      raise UsageError(f"--out: {e}") from None
     except OSError as e:
       raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
-    wrote.append(args.out)
   if args.csv:
     from parstrat._src.pipeline import schedule_csv
 
@@ -1222,7 +1248,11 @@ def schedule(args: argparse.Namespace) -> None:
         f.write(schedule_csv.to_csv(table))
     except OSError as e:
       raise UsageError(f"cannot write {args.csv}: {e.strerror or e}") from None
-    wrote.append(args.csv)
+    K = table.exchange_every
+    wrote.append(
+      args.csv
+      + (f" (ticks only: read it back with pipeline.from_csv(text, exchange_every={K}))" * (K > 1))
+    )
   print(table)
   formula = schedule_lib.THEORY[table.name][0]
   print(

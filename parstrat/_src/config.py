@@ -42,7 +42,8 @@ def load_toml(path: str | pathlib.Path) -> dict[str, Any]:
   """Reads a TOML file into a dict (a `[train]` table, if present, is the config).
 
   Raises:
-    ConfigError: if the file cannot be read or is not valid TOML.
+    ConfigError: if the file cannot be read or is not valid TOML, or mixes a
+      `[train]` table with keys outside it.
   """
   try:
     with open(path, "rb") as f:
@@ -51,8 +52,14 @@ def load_toml(path: str | pathlib.Path) -> dict[str, Any]:
     raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
   except tomllib.TOMLDecodeError as e:
     raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
-  if set(data) == {"train"} and isinstance(data["train"], dict):
-    return data["train"]
+  if isinstance(data.get("train"), dict):
+    if set(data) == {"train"}:
+      return data["train"]
+    others = ", ".join(sorted(set(data) - {"train"}))
+    raise ConfigError(
+      f"--config {path}: keys both in a [train] table and outside it ({others}); put them all "
+      "in [train], or all at the top level without one"
+    )
   return data
 
 

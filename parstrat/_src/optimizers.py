@@ -113,8 +113,8 @@ def make_optimizer(
     from parstrat._src.config import did_you_mean
 
     raise ValueError(
-      f"Unknown optimizer {name!r}{did_you_mean(name, list(OPTIMIZERS)) or ''}; "
-      f"choose one of {', '.join(OPTIMIZERS)}."
+      f"Unknown optimizer {name!r} (choose one of {', '.join(OPTIMIZERS)})"
+      f"{did_you_mean(name, list(OPTIMIZERS))}"
     )
   optimizer = OPTIMIZERS[name](learning_rate, weight_decay)
   if clip_norm is not None:

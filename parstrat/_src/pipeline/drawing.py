@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Schedule
 
@@ -20,8 +22,8 @@ STYLE = {
 }
 
 
-def draw_schedule(schedule: Schedule, path: str) -> None:
-  """Writes the schedule as a PNG: stages as rows, ticks as columns.
+def draw_schedule(schedule: Schedule, path: str) -> str:
+  """Draws the schedule into an image file: stages as rows, ticks as columns.
 
   Forward cells are blue, full backward cells orange, input-gradient cells (I)
   red and weight-gradient cells (W) green, bubbles light grey; each cell is
@@ -31,14 +33,32 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
 
   Args:
     schedule: the schedule to draw.
-    path: the output file (PNG).
+    path: the output file; its extension picks the format (`.png`, `.svg`,
+      `.pdf`, or any other matplotlib writes); without one, `.png` is added.
+
+  Returns:
+    The path written.
+
+  Raises:
+    ValueError: for an extension matplotlib cannot write, naming it (before
+      anything is drawn or written).
   """
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  from matplotlib.backend_bases import FigureCanvasBase
   from matplotlib.patches import Patch
   from matplotlib.patches import Rectangle
+
+  suffix = pathlib.Path(path).suffix
+  if not suffix:
+    path = f"{path}.png"
+  elif suffix[1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+    raise ValueError(
+      f"cannot draw into {path}: matplotlib does not write {suffix!r} files; use .png, .svg, "
+      f"or .pdf (or one of {', '.join(sorted(FigureCanvasBase.get_supported_filetypes()))})."
+    )
 
   T, P, v = schedule.num_ticks, schedule.stages, schedule.virtual_stages
   width = 0.38 if v == 1 else 0.55
@@ -82,5 +102,8 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
     frameon=False,
   )
   fig.tight_layout()
-  fig.savefig(path, bbox_inches="tight")
-  plt.close(fig)
+  try:
+    fig.savefig(path, bbox_inches="tight")
+  finally:
+    plt.close(fig)
+  return path

@@ -751,9 +751,8 @@ def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
   """The dependency half of `check_schedule`; returns (action, g, m) -> tick."""
   P, M, G = schedule.stages, schedule.microbatches, schedule.model_stages
   K = schedule.exchange_every
-  assert K >= 1 and schedule.num_ticks % K == 0, (
-    f"{schedule.num_ticks} ticks are not whole exchanges of {K} ticks"
-  )
+  if not (K >= 1 and schedule.num_ticks % K == 0):
+    raise AssertionError(f"{schedule.num_ticks} ticks are not whole exchanges of {K} ticks")
 
   def where(t: int) -> str:
     return f" (it arrives after tick {t - t % K + K - 1})" if K > 1 else ""
@@ -764,52 +763,61 @@ def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
       a, m, j = (int(x[t, s]) for x in (schedule.action, schedule.microbatch, schedule.chunk))
       if a == Action.IDLE:
         continue
-      assert a in _KIND, f"tick {t}, stage {s}: unknown action {a}"
-      assert 0 <= m < M, f"tick {t}, stage {s}: microbatch {m} is outside 0..{M - 1}"
-      assert 0 <= j < schedule.virtual_stages, f"tick {t}, stage {s}: chunk {j} out of range"
+      if a not in _KIND:
+        raise AssertionError(f"tick {t}, stage {s}: unknown action {a}")
+      if not (0 <= m < M):
+        raise AssertionError(f"tick {t}, stage {s}: microbatch {m} is outside 0..{M - 1}")
+      if not (0 <= j < schedule.virtual_stages):
+        raise AssertionError(f"tick {t}, stage {s}: chunk {j} out of range")
       key = (a, j * P + s, m)
-      assert key not in when, (
-        f"stage {j * P + s} runs the {_PASS_NAMES[a]} of microbatch {m} twice "
-        f"(ticks {when.get(key)} and {t})"
-      )
+      if key in when:
+        raise AssertionError(
+          f"stage {j * P + s} runs the {_PASS_NAMES[a]} of microbatch {m} twice "
+          f"(ticks {when.get(key)} and {t})"
+        )
       when[key] = t
   F, B, IN, W = (Action.FORWARD, Action.BACKWARD, Action.BACKWARD_INPUT, Action.BACKWARD_WEIGHT)
   split: dict[tuple[int, int], bool] = {}
   for g in range(G):  # first: every action is there
     for m in range(M):
-      assert (F, g, m) in when, f"stage {g} never runs the forward (F) of microbatch {m}"
+      if (F, g, m) not in when:
+        raise AssertionError(f"stage {g} never runs the forward (F) of microbatch {m}")
       split[(g, m)] = (IN, g, m) in when or (W, g, m) in when
       for a in (IN, W) if split[(g, m)] else (B,):
-        assert (a, g, m) in when, f"stage {g} never runs the {_PASS_NAMES[a]} of microbatch {m}"
-      assert not (split[(g, m)] and (B, g, m) in when), (
-        f"stage {g} runs both B and I/W of microbatch {m}"
-      )
+        if (a, g, m) not in when:
+          raise AssertionError(f"stage {g} never runs the {_PASS_NAMES[a]} of microbatch {m}")
+      if split[(g, m)] and (B, g, m) in when:
+        raise AssertionError(f"stage {g} runs both B and I/W of microbatch {m}")
   for g in range(G):  # then: each after what it needs
     for m in range(M):
       f, b = when[(F, g, m)], when[(IN if split[(g, m)] else B, g, m)]
-      assert f < b, (
-        f"stage {g} runs the backward of microbatch {m} at tick {b}, not after its forward "
-        f"(tick {f})"
-      )
+      if f >= b:
+        raise AssertionError(
+          f"stage {g} runs the backward of microbatch {m} at tick {b}, not after its forward "
+          f"(tick {f})"
+        )
       if split[(g, m)]:
         w = when[(W, g, m)]
-        assert b < w, (
-          f"stage {g} runs the weight backward (W) of microbatch {m} at tick {w}, not after "
-          f"its input backward (I, tick {b})"
-        )
+        if b >= w:
+          raise AssertionError(
+            f"stage {g} runs the weight backward (W) of microbatch {m} at tick {w}, not after "
+            f"its input backward (I, tick {b})"
+          )
       # What another stage sent is there after the exchange that follows it.
       if g > 0:
         prev = when[(F, g - 1, m)]
-        assert prev // K < f // K, (
-          f"stage {g} runs the forward of microbatch {m} at tick {f}, but needs stage "
-          f"{g - 1}'s output, computed at tick {prev}" + where(prev) + ": it must come later"
-        )
+        if prev // K >= f // K:
+          raise AssertionError(
+            f"stage {g} runs the forward of microbatch {m} at tick {f}, but needs stage "
+            f"{g - 1}'s output, computed at tick {prev}" + where(prev) + ": it must come later"
+          )
       if g < G - 1:
         nxt = when[(IN if split[(g + 1, m)] else B, g + 1, m)]
-        assert nxt // K < b // K, (
-          f"stage {g} runs the backward of microbatch {m} at tick {b}, but needs stage "
-          f"{g + 1}'s gradient, computed at tick {nxt}" + where(nxt) + ": it must come later"
-        )
+        if nxt // K >= b // K:
+          raise AssertionError(
+            f"stage {g} runs the backward of microbatch {m} at tick {b}, but needs stage "
+            f"{g + 1}'s gradient, computed at tick {nxt}" + where(nxt) + ": it must come later"
+          )
   return when
 
 
@@ -840,27 +848,27 @@ def check_schedule(schedule: Schedule) -> None:
       g = j * P + s
       if g > 0:
         slot = schedule.act_slot[t, s]
-        assert slot >= 0 and tuple(stash[s, slot]) == (g, m), (
-          f"tick {t}: stage {g} reads the wrong input for microbatch {m}"
-        )
+        if not (slot >= 0 and tuple(stash[s, slot]) == (g, m)):
+          raise AssertionError(f"tick {t}: stage {g} reads the wrong input for microbatch {m}")
       if a != Action.FORWARD and g < G - 1:
         slot = schedule.grad_slot[t, s]
-        assert slot >= 0 and tuple(inbox[s, slot]) == (g, m), (
-          f"tick {t}: stage {g} reads the wrong gradient for microbatch {m}"
-        )
+        if not (slot >= 0 and tuple(inbox[s, slot]) == (g, m)):
+          raise AssertionError(f"tick {t}: stage {g} reads the wrong gradient for microbatch {m}")
       sends_act, sends_grad = sends(Action(a), g, G)
       for out, sent, what, payload in (
         (sends_act, sent_act, "activations", (g + 1, m)),
         (sends_grad, sent_grad, "gradients", (g - 1, m)),
       ):
         if out:
-          assert sent[s] is None, f"tick {t}: stage {s} sends two {what} in one exchange"
+          if sent[s] is not None:
+            raise AssertionError(f"tick {t}: stage {s} sends two {what} in one exchange")
           sent[s] = payload
     if t % K < K - 1:
       # Nothing arrives before the exchange.
-      assert np.all(schedule.recv_act_slot[t] < 0) and np.all(schedule.recv_grad_slot[t] < 0), (
-        f"tick {t}: a message is stored before the exchange after tick {t - t % K + K - 1}"
-      )
+      if not (np.all(schedule.recv_act_slot[t] < 0) and np.all(schedule.recv_grad_slot[t] < 0)):
+        raise AssertionError(
+          f"tick {t}: a message is stored before the exchange after tick {t - t % K + K - 1}"
+        )
       continue
     for s in range(P):
       for slots, buffer, sent, what in (
@@ -869,7 +877,8 @@ def check_schedule(schedule: Schedule) -> None:
       ):
         slot = slots[t, s]
         if slot >= 0:
-          assert sent is not None, f"tick {t}: stage {s} stores a {what} nobody sent"
+          if sent is None:
+            raise AssertionError(f"tick {t}: stage {s} stores a {what} nobody sent")
           buffer[s, slot] = sent
-        else:
-          assert sent is None, f"tick {t}: stage {s} drops the {what} for (stage, mb) {sent}"
+        elif sent is not None:
+          raise AssertionError(f"tick {t}: stage {s} drops the {what} for (stage, mb) {sent}")
