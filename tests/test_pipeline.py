@@ -103,6 +103,52 @@ def test_stage_boundary_markers():
   )
 
 
+def test_unread_params_mixed_dtypes_and_virtual_stages_are_named():
+  def ghost(x):
+    hk.get_parameter("ghost", (3,), init=jnp.zeros)
+    return hk.Linear(10, name="out")(jax.nn.swish(hk.Linear(16, name="inp")(x)))
+
+  def mixed(x):
+    w = hk.get_parameter("w", (16, 16), jnp.bfloat16, init=jnp.ones)
+    x = hk.Linear(16, name="a")(x).astype(jnp.bfloat16) @ w
+    return hk.Linear(10, name="out")(x.astype(jnp.float32))
+
+  x = np.zeros((8, 16), np.float32)
+  for net, strategy, message in (
+    (ghost, parstrat.PipelineModelParallel(stages=2), r"Parameters \['~'\]\['ghost'\] \(layer"),
+    (
+      mixed,
+      parstrat.PipelineModelParallel(stages=2),
+      r"share one dtype .*got float32 \(e.g. \['a'\]\['b'\]\), bfloat16 \(e.g. \['~'\]\['w'\]\)",
+    ),
+    (
+      lambda x: hk.Linear(10, name="out")(jax.nn.swish(hk.Linear(16, name="inp")(x))),
+      parstrat.PipelineModelParallel(stages=4, schedule="interleaved_1f1b", virtual_stages=3),
+      r"stages=12 exceeds .* cut into stages x virtual_stages = 4 x 3 = 12 model stages",
+    ),
+  ):
+    trainer = strategy(hk.transform(net), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=message):
+      trainer.init(jax.random.key(0), x[:1])
+
+
+def test_a_model_input_read_in_every_block_is_named_where_it_blocks_a_cut():
+  def masked(inputs):  # (a padding mask read by every block: live across each cut)
+    x, pad = inputs
+    for i in range(3):
+      x = x + pad[:, :, None] * hk.Linear(8, name=f"l{i}")(x)
+    return hk.Linear(4, name="out")(x.mean(1))
+
+  sample = (np.zeros((1, 5, 8), np.float32), np.ones((1, 5), np.float32))
+  trainer = parstrat.PipelineModelParallel(stages=4)(hk.transform(masked), optax.sgd(0.1))
+  with pytest.raises(
+    ValueError,
+    match=r"between layers 'l0' and 'l1' .* model input read again later: "
+    r"model input 1 \(float32\[1,5\]\), float32\[1,5,8\]\)",
+  ):
+    trainer.init(jax.random.key(0), sample)
+
+
 def test_errors_name_the_problem():
   params, x = _abstract(SEED_MLP)
   with pytest.raises(
@@ -680,13 +726,22 @@ def _inputs_halved_in_a_loop(x):
   return hk.Linear(10)(x)
 
 
-def test_zero_bubble_trains_a_first_stage_whose_inputs_have_no_derivative():
+@pytest.mark.parametrize(
+  "schedule, activations",
+  [("zb_h1", "recompute"), ("zb_h1", "save"), ("zb_h1", "dots_saveable"), ("1f1b", "save")],
+)
+def test_a_first_stage_whose_inputs_have_no_derivative_trains(schedule, activations):
   # ZB-H1 cuts the first stage's backward as traced with respect to its float inputs
   # too; where the inputs cannot be differentiated, that stage keeps its unsplit
-  # backward (W runs it whole), as 1F1B does.
+  # backward (W runs it whole), as 1F1B does. Kept residuals are those of the
+  # stage's parameters alone there (the vjp over the inputs failed to transpose).
   parstrat.testing.check_strategy(
     parstrat.PipelineModelParallel(
-      stages=2, microbatches=4, schedule="zb_h1", bubble_value=float("nan")
+      stages=2,
+      microbatches=4,
+      schedule=schedule,
+      activations=activations,
+      bubble_value=float("nan"),
     ),
     hk.transform(_inputs_halved_in_a_loop),
     [optax.sgd(0.1)],

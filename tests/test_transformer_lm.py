@@ -88,6 +88,24 @@ def test_untied_lm_matches_jit(strategy, optimizer):
   _assert_matches(_train(strategy, optimizer), optimizer)
 
 
+def test_a_causal_mask_built_in_apply_lets_every_block_boundary_be_cut():
+  # The example builds its mask with `jnp.tril` inside `apply`; read by every attention
+  # layer, it was a second value live across each cut between blocks. It is a constant.
+  net, loss = lm.model(**TINY)
+  tokens = lm.dataset(BATCH, SEQ, seed=0)[0][0][0]
+  params = jax.eval_shape(net.init, jax.random.key(0), tokens[:1])
+  plan = parstrat.pipeline.plan_stages(
+    lambda p, x: net.apply(p, None, x), params, jax.ShapeDtypeStruct((1, SEQ), np.int32), 4
+  )
+  firsts = [plan.layers[group[0]].name for group in plan.stage_layers]
+  assert "block1_ln_attn" in firsts, plan  # (the cut between the two blocks)
+  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=2, schedule="zb_h1")
+  result = lm.train(
+    strategy, STEPS, optimizer=optax.sgd(0.1), batch_size=BATCH, seq_len=SEQ, eval_batches=2, **TINY
+  )
+  _assert_matches(result, "sgd")
+
+
 def test_corpus_and_batches():
   text = lm.load_text()
   assert hashlib.md5(text.encode()).hexdigest() == "2d8e3f823b9eac410eb65632ae6b91c9"  # data/README

@@ -81,9 +81,17 @@ def make_pipeline_plan(
   # the model's outputs are a function of the params and inputs alone.
   apply = outputs_fn(model)
 
-  stage_plan = partition_lib.plan_stages(
-    apply, sample_params, sample_inputs, stages * v, balance=balance, cuts=cuts
-  )
+  try:
+    stage_plan = partition_lib.plan_stages(
+      apply, sample_params, sample_inputs, stages * v, balance=balance, cuts=cuts
+    )
+  except ValueError as e:
+    if v == 1 or "never used" in str(e):  # (only the cutting depends on v)
+      raise
+    raise ValueError(
+      f"{e} (With virtual stages the model is cut into stages x virtual_stages = {stages} x "
+      f"{v} = {stages * v} model stages; fewer virtual_stages need fewer cuts.)"
+    ) from None
   program = partition_lib.stage_program(apply, sample_params, sample_inputs, stage_plan)
   parts = 1 if mesh is None else dict(mesh.shape).get(MODEL, 1)
   notes = ""

@@ -72,7 +72,14 @@ class FlatLayout:
     leaves, treedef = jax.tree.flatten(params)
     dtypes = {jnp.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) != 1:
-      raise ValueError(f"Pipelined params must share one dtype, got {sorted(map(str, dtypes))}.")
+      first: dict[str, str] = {}  # a leaf of each dtype, in order
+      for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        first.setdefault(str(jnp.dtype(leaf.dtype)), jax.tree_util.keystr(path))
+      raise ValueError(
+        "Pipelined params must share one dtype (a stage's are stored as one flat buffer), got "
+        + ", ".join(f"{dtype} (e.g. {path})" for dtype, path in first.items())
+        + "; keep params in one dtype and cast inside the model, or use precision=..."
+      )
     owner: dict[int, int] = {}
     for s, group in enumerate(stage_leaves):
       for i in group:
@@ -760,7 +767,7 @@ def pipeline_loss_and_grad(
     vjp_fn = residuals_lib.pullback(residuals[g], res, leaves, inp)
 
     def pull(cotangents):
-      d_leaves, d_inp = vjp_fn(cotangents)
+      d_leaves, d_inp = residuals_lib.with_input_gradient(residuals[g], vjp_fn(cotangents))
       _, to_params = jax.vjp(lambda r, c: layout.stage_params(g, r, c), row, common)
       return *to_params(d_leaves), d_inp
 
@@ -896,7 +903,7 @@ def pipeline_loss_and_grad(
           return out, grads, saved, pending, loss
         leaves, inp = staged.stage_inputs(g, row, act, x, own_common)
         out, loss, res = residuals_lib.forward_saving(
-          staged, g, leaves, inp, y, dtype, activations, slot
+          staged, g, residuals[g], leaves, inp, y, dtype, activations, slot
         )
         saved = tuple(
           lax.dynamic_update_index_in_dim(part, r, r_slot, 0)

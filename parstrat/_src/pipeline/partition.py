@@ -113,6 +113,7 @@ class _Trace:
   input_vars: list  # one var per flattened input leaf
   leaf_layer: list[int]  # layer index of each flattened leaf
   layer_names: list[str]
+  leaf_names: list[str]  # each flattened leaf's path, e.g. "['mlp/~/linear_0']['w']"
 
 
 def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
@@ -126,7 +127,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   if any(_call_body(eqn) is not None for eqn in closed.jaxpr.eqns):
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     closed = jax.make_jaxpr(functools.partial(eval_inlined, closed.jaxpr, closed.consts))(*avals)
-  jaxpr = closed.jaxpr
+  jaxpr, consts = _fold_constants(closed.jaxpr, closed.consts)
   jaxpr = jaxpr.replace(
     eqns=_sink_parameter_math(jaxpr.eqns, [*jaxpr.invars[: len(leaves)], *jaxpr.constvars])
   )
@@ -139,11 +140,12 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
     leaf_layer.append(names.index(name))
   return _Trace(
     jaxpr=jaxpr,
-    consts=list(closed.consts),
+    consts=consts,
     param_vars=list(jaxpr.invars[: len(leaves)]),
     input_vars=list(jaxpr.invars[len(leaves) :]),
     leaf_layer=leaf_layer,
     layer_names=names,
+    leaf_names=[jax.tree_util.keystr(path) for path, _ in leaves_with_path],
   )
 
 
@@ -178,12 +180,52 @@ def eval_inlined(jaxpr, consts, *args) -> list[Any]:
     if body is not None:
       outs = eval_inlined(body.jaxpr, body.consts, *values)
     else:
-      bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before JAX 0.7
-      subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-      outs = eqn.primitive.bind(*subfuns, *values, **params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
+      outs = _bind(eqn, values)
     env.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, values: Sequence[Any]) -> list[Any]:
+  """The outputs of one equation applied to `values`."""
+  bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before JAX 0.7
+  subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+  outs = eqn.primitive.bind(*subfuns, *values, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+#: The most elements a value computed from constants alone may have to be folded into
+#: a constant of the trace (a causal mask, a position table, a scan's zero carry);
+#: larger ones are computed where they are used.
+FOLD_LIMIT = 1 << 22
+
+
+def _fold_constants(jaxpr, consts: Sequence[Any]) -> tuple[Any, list[Any]]:
+  """Evaluates the equations that read no input and no parameter; their values become constants.
+
+  A causal mask built inside `apply` (`jnp.tril(jnp.ones((T, T)))`) and read by
+  every attention layer would otherwise be a second value live across each
+  cut between blocks, so no block boundary could be cut. As a constant, each
+  stage that reads it holds its own copy, like any other constant.
+  """
+  known = dict(zip(jaxpr.constvars, consts, strict=True))
+  kept = []
+  with jax.ensure_compile_time_eval():  # (also when the pipeline is traced inside a step)
+    for eqn in jaxpr.eqns:
+      foldable = (
+        not eqn.effects
+        and not _is_marker(eqn)
+        and all(v in known for v in eqn.invars if _is_var(v))
+        and all(np.prod(getattr(v.aval, "shape", ())) <= FOLD_LIMIT for v in eqn.outvars)
+      )
+      if not foldable:
+        kept.append(eqn)
+        continue
+      values = [known[v] if _is_var(v) else v.val for v in eqn.invars]
+      known.update(zip(eqn.outvars, _bind(eqn, values), strict=True))
+  used = {v for eqn in kept for v in eqn.invars if _is_var(v)}
+  used |= {v for v in jaxpr.outvars if _is_var(v)}
+  constvars = [v for v in known if v in used]
+  return jaxpr.replace(constvars=constvars, eqns=kept), [known[v] for v in constvars]
 
 
 def _is_var(v) -> bool:
@@ -273,7 +315,15 @@ def _analyse(trace: _Trace) -> _Analysis:
         last_read[layer] = i
   unused = [trace.layer_names[k] for k in range(len(trace.layer_names)) if k not in first_read]
   if unused:
-    raise ValueError(f"Parameters of layer(s) {unused} are never used by the model's apply.")
+    leaves = [
+      name
+      for name, layer in zip(trace.leaf_names, trace.leaf_layer, strict=True)
+      if trace.layer_names[layer] in unused
+    ]
+    raise ValueError(
+      f"Parameters {', '.join(leaves)} (layer(s) {', '.join(map(repr, unused))}) are never "
+      "used by the model's apply; a pipeline gives each parameter to the stage that reads it."
+    )
   layer_order = sorted(first_read, key=first_read.get)
 
   defined = {v: -1 for v in trace.input_vars}
@@ -350,11 +400,17 @@ def _boundary_cut(
   for c in range(after, before, -1):
     if len(analysis.live[c]) == 1:
       return c, "", ()
-  counts = sorted({len(analysis.live[c]) for c in range(before + 1, after + 1)})
+  fewest = min(range(before + 1, after + 1), key=lambda c: len(analysis.live[c]))
+  inputs = {v: i for i, v in enumerate(trace.input_vars)}
+  values = ", ".join(
+    f"model input {inputs[v]} ({v.aval.str_short()})" if v in inputs else v.aval.str_short()
+    for v in analysis.live[fewest]
+  )
   return (
     None,
     f"between layers {a!r} and {b!r} there is no point where a single activation "
-    f"crosses ({counts[0]} or more values are live, e.g. a skip connection)",
+    f"crosses ({len(analysis.live[fewest])} or more values are live, e.g. a skip connection "
+    f"or a model input read again later: {values})",
     (),
   )
 

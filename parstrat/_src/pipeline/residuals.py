@@ -16,6 +16,7 @@ loss's backward), each residual in its own dtype, never bitcast to bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +66,14 @@ class Residuals:
     sources: per residual leaf, the index of the stage parameter it is, "input"
       for the stage input, or None when it is stored.
     stored: the shapes and dtypes of the stored residuals, in order.
+    through_input: whether the vjp is taken with respect to the stage's input
+      too (always but on a stage 0 whose inputs autodiff cannot cross).
   """
 
   treedef: Any
   sources: tuple[int | str | None, ...]
   stored: tuple[jax.ShapeDtypeStruct, ...]
+  through_input: bool = True
 
 
 def slot_format(residuals: Sequence[Residuals]) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -105,6 +109,18 @@ def stage_function(staged, stage: int, y, dtype, activations: str):
   return jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, activations))
 
 
+def _vjp(f, leaves, inp, through_input: bool):
+  """`jax.vjp` of a stage function over its parameters and input, or its parameters alone."""
+  if through_input:
+    return jax.vjp(f, leaves, inp)
+  return jax.vjp(lambda leaves: f(leaves, inp), leaves)
+
+
+def with_input_gradient(residuals: Residuals, gradients: tuple) -> tuple:
+  """`(d leaves, d input)` from a `pullback`'s result (d input None without `through_input`)."""
+  return gradients if residuals.through_input else (gradients[0], None)
+
+
 def _split(vjp_fn, leaves, inp) -> tuple[list, Any, tuple[int | str | None, ...]]:
   res, treedef = jax.tree.flatten(vjp_fn)
   known: dict[int, int | str] = {id(leaf): i for i, leaf in enumerate(leaves)}
@@ -113,25 +129,40 @@ def _split(vjp_fn, leaves, inp) -> tuple[list, Any, tuple[int | str | None, ...]
 
 
 def find_residuals(staged, stage: int, row, act, x, y, dtype, activations: str) -> Residuals:
-  """The `Residuals` of stage `stage`, traced abstractly from (avals of) its arguments."""
+  """The `Residuals` of stage `stage`, traced abstractly from (avals of) its arguments.
+
+  The backward is traced too, so a stage autodiff cannot cross fails here. Stage
+  0's input is the batch, whose gradient only ZB-H1's split reads (to find the
+  gradient chain its I pass runs): where autodiff cannot cross the inputs (a
+  `while_loop` or `pure_callback` on them), stage 0 is differentiated with
+  respect to its parameters alone, as under "recompute".
+  """
   found = {}
 
-  def probe(row, act, x, y):
+  def probe(row, act, x, y, through_input):
     leaves, inp = staged.stage_inputs(stage, row, act, x)
-    _, vjp_fn = jax.vjp(stage_function(staged, stage, y, dtype, activations), leaves, inp)
+    f = stage_function(staged, stage, y, dtype, activations)
+    outputs, vjp_fn = _vjp(f, leaves, inp, through_input)
+    vjp_fn(jax.tree.map(jnp.zeros_like, outputs))  # (traced only: fails where autodiff does)
     res, found["treedef"], found["sources"] = _split(vjp_fn, leaves, inp)
     return [r for r, source in zip(res, found["sources"], strict=True) if source is None]
 
-  stored = jax.eval_shape(probe, row, act, x, y)
-  return Residuals(found["treedef"], found["sources"], tuple(stored))
+  for through_input in (True, False) if stage == 0 else (True,):
+    try:
+      stored = jax.eval_shape(functools.partial(probe, through_input=through_input), row, act, x, y)
+      break
+    except Exception:
+      if not through_input:
+        raise
+  return Residuals(found["treedef"], found["sources"], tuple(stored), through_input)
 
 
 def forward_saving(
-  staged, stage: int, leaves, inp, y, dtype, activations: str, slot: jax.ShapeDtypeStruct
+  staged, stage: int, residuals: Residuals, leaves, inp, y, dtype, activations: str, slot
 ):
   """Runs the stage forward; returns `(padded output, loss, stored residuals packed in a slot)`."""
   f = stage_function(staged, stage, y, dtype, activations)
-  (out, loss), vjp_fn = jax.vjp(f, leaves, inp)
+  (out, loss), vjp_fn = _vjp(f, leaves, inp, residuals.through_input)
   res, _, sources = _split(vjp_fn, leaves, inp)
   stored = [r for r, source in zip(res, sources, strict=True) if source is None]
   return out, loss, pack(stored, slot)
