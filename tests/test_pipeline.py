@@ -132,21 +132,67 @@ def test_unread_params_mixed_dtypes_and_virtual_stages_are_named():
       trainer.init(jax.random.key(0), x[:1])
 
 
-def test_a_model_input_read_in_every_block_is_named_where_it_blocks_a_cut():
-  def masked(inputs):  # (a padding mask read by every block: live across each cut)
-    x, pad = inputs
+def test_a_boundary_no_single_value_crosses_is_named_with_the_values_that_do():
+  def skips(x):  # (two streams: both cross each boundary between the blocks)
+    a = b = hk.Linear(8, name="inp")(x)
     for i in range(3):
-      x = x + pad[:, :, None] * hk.Linear(8, name=f"l{i}")(x)
-    return hk.Linear(4, name="out")(x.mean(1))
+      a = jnp.tanh(hk.Linear(8, name=f"l{i}")(a))
+      b = b + a
+    return hk.Linear(4, name="out")(b)
 
-  sample = (np.zeros((1, 5, 8), np.float32), np.ones((1, 5), np.float32))
-  trainer = parstrat.PipelineModelParallel(stages=4)(hk.transform(masked), optax.sgd(0.1))
+  trainer = parstrat.PipelineModelParallel(stages=4)(hk.transform(skips), optax.sgd(0.1))
   with pytest.raises(
     ValueError,
-    match=r"between layers 'l0' and 'l1' .* model input read again later: "
-    r"model input 1 \(float32\[1,5\]\), float32\[1,5,8\]\)",
+    match=r"between layers 'l0' and 'l1' .*\(2 or more values are live, e.g. a skip "
+    r"connection: float32\[1,8\], float32\[1,8\]\)",
   ):
-    trainer.init(jax.random.key(0), sample)
+    trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+
+
+def _masked_encoder(inputs):
+  # Token ids and a float padding weight; the attention mask is computed from the ids,
+  # and every block reads both: values from the model inputs alone, live across each
+  # cut between blocks, which each stage that reads them recomputes from the inputs.
+  tokens, weight = inputs
+  mask = (tokens != 0)[:, None, None, :]
+  x = hk.Embed(11, 16, name="embed")(tokens)
+  for i in range(3):
+    h = hk.LayerNorm(-1, True, True, name=f"b{i}_ln")(x)
+    attention = hk.MultiHeadAttention(2, 8, w_init=hk.initializers.VarianceScaling(), name=f"b{i}")
+    x = (x + attention(h, h, h, mask=mask)) * weight[:, :, None]
+  return hk.Linear(11, name="head")(x.mean(1))
+
+
+def _masked_batches():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 11, (2, 16, 6)).astype(np.int32)
+  tokens[:, :, 0] = 1  # (no row fully masked)
+  weight = (rng.random((2, 16, 6)) > 0.2).astype(np.float32)
+  labels = rng.integers(0, 11, (2, 16)).astype(np.int32)
+  return [((tokens[i], weight[i]), labels[i]) for i in range(2)]
+
+
+@pytest.mark.parametrize(
+  "strategy, firsts",
+  [
+    (
+      parstrat.PipelineModelParallel(
+        stages=4, microbatches=8, schedule="zb_h1", activations="save"
+      ),
+      ["embed,", "b1_ln,", "b2_ln,", "head"],
+    ),
+    (parstrat.Hybrid(data=2, stages=2, model=2, microbatches=2), ["embed,", "b2_ln,"]),
+  ],
+  ids=["pipeline-zb_h1-save", "hybrid-2x2x2"],
+)
+def test_values_from_the_model_inputs_are_recomputed_by_the_stages_that_read_them(strategy, firsts):
+  model, batches = hk.transform(_masked_encoder), _masked_batches()
+  trainer = strategy(model, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), jax.tree.map(lambda a: a[:1], batches[0][0]))
+  # Cut between blocks (each such boundary was refused: only the head could be cut off).
+  rows = trainer.plan.description.splitlines()[2 : 2 + strategy.stages]
+  assert [row.split()[3] for row in rows] == firsts, rows
+  parstrat.testing.check_strategy(strategy, model, [optax.sgd(0.1)], batches=batches)
 
 
 def test_errors_name_the_problem():

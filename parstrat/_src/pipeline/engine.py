@@ -405,16 +405,24 @@ class StagedModel:
     """The stage's parameter leaves (from `row` and `common`) and its unpadded input."""
     return self.layout.stage_params(stage, row, common), self.stage_input(stage, act, x)
 
+  def reads_inputs(self, stage: int) -> bool:
+    """Whether stage `stage` reads the microbatch's model inputs (stage 0 always does)."""
+    return stage == 0 or self.program.reads_inputs[stage]
+
   def output(self, stage: int, row, act, x):
     """Stage `stage`'s output, unpadded, in its own dtype."""
-    return self.program.stage_fns[stage](*self.stage_inputs(stage, row, act, x))
+    return self.program.stage_fns[stage](*self.stage_inputs(stage, row, act, x), x)
 
   def forward(self, stage: int, row, act, x, y, common=()):
-    return self.apply(stage, *self.stage_inputs(stage, row, act, x, common), y, act.dtype)
+    return self.apply(stage, *self.stage_inputs(stage, row, act, x, common), y, act.dtype, x)
 
-  def apply(self, stage: int, leaves, inp, y, dtype):
-    """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss)."""
-    out = self.program.stage_fns[stage](leaves, inp)
+  def apply(self, stage: int, leaves, inp, y, dtype, x=None):
+    """Stage `stage` on its leaves and unpadded input: (padded output, microbatch loss).
+
+    `x`, the microbatch's model inputs, is read by a later stage with
+    `reads_inputs` (it recomputes values from them), else ignored.
+    """
+    out = self.program.stage_fns[stage](leaves, inp, x)
     if stage == self.num_stages - 1:
       loss = self.loss_fn(out, y).astype(jnp.float32)
     else:
@@ -840,7 +848,7 @@ def pipeline_loss_and_grad(
         zero_act,
         zero_act,
         tuple(slot) if g in residuals else None,
-        micro(xs) if g == 0 else None,
+        micro(xs) if staged.reads_inputs(g) else None,
         micro(ys) if g == G - 1 else None,
       )
       if g > 0:
@@ -892,7 +900,7 @@ def pipeline_loss_and_grad(
         return fill, grads, saved, pending, zero_loss
       a_slot, g_slot, r_slot, h_slot, m = slots
       # Only the first stage reads the microbatch's inputs, only the last its targets.
-      x = _microbatch(xs, m) if g == 0 else None
+      x = _microbatch(xs, m) if staged.reads_inputs(g) else None
       y = _microbatch(ys, m) if g == G - 1 else None
       j = g // P
       row, own_common = _chunk(block, j), common[j]
@@ -903,7 +911,7 @@ def pipeline_loss_and_grad(
           return out, grads, saved, pending, loss
         leaves, inp = staged.stage_inputs(g, row, act, x, own_common)
         out, loss, res = residuals_lib.forward_saving(
-          staged, g, residuals[g], leaves, inp, y, dtype, activations, slot
+          staged, g, residuals[g], leaves, inp, x, y, dtype, activations, slot
         )
         saved = tuple(
           lax.dynamic_update_index_in_dim(part, r, r_slot, 0)

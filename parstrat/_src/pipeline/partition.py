@@ -6,6 +6,11 @@ name such as ``"mlp/~/linear_1"``), and the jaxpr is cut at points where
 exactly one value (the activation) crosses from one layer to the next. Each
 stage is then a slice of the jaxpr's equations, evaluated with
 `jax.core.eval_jaxpr`, so nothing depends on Haiku's internals.
+
+Two kinds of values never cross a cut: those computed from constants alone (a
+causal mask built in `apply`) are folded into constants, and those computed
+from the model inputs alone (a padding mask every block reads) are recomputed
+by each later stage that reads them, from the inputs every device holds.
 """
 
 from __future__ import annotations
@@ -297,9 +302,10 @@ class _Analysis:
   layer_order: list[int]  # original layer index, in order of first use
   first_read: dict[int, int]
   last_read: dict[int, int]
-  live: list[list[Any]]  # live[c]: non-parameter values crossing a cut before eqn c
+  live: list[list[Any]]  # live[c]: values crossing a cut before eqn c (see `from_inputs`)
   markers: list[int]
   eqn_layer: list[int]  # the (ordered) layer each equation is counted towards
+  from_inputs: set[Any]  # values computed from the model inputs and constants alone
 
 
 def _analyse(trace: _Trace) -> _Analysis:
@@ -337,9 +343,20 @@ def _analyse(trace: _Trace) -> _Analysis:
   for v in trace.jaxpr.outvars:
     if _is_var(v):
       last_use[v] = len(eqns)
+  # Values computed from the model inputs (and constants) alone, such as a padding mask
+  # every block reads: each stage that reads one recomputes it from the inputs, which
+  # every device holds, so they never cross a cut.
+  from_inputs = set(trace.input_vars)
+  for eqn in eqns:
+    if not eqn.effects and all(
+      v in from_inputs or v in trace.jaxpr.constvars for v in eqn.invars if _is_var(v)
+    ):
+      from_inputs.update(eqn.outvars)
   live = []
   for c in range(len(eqns) + 1):
-    live.append([v for v, d in defined.items() if d < c and last_use.get(v, -2) >= c])
+    live.append(
+      [v for v, d in defined.items() if d < c and last_use.get(v, -2) >= c and v not in from_inputs]
+    )
   markers = [i for i, eqn in enumerate(eqns) if _is_marker(eqn)]
   rank = {layer: r for r, layer in enumerate(layer_order)}
   eqn_layer = []
@@ -349,7 +366,7 @@ def _analyse(trace: _Trace) -> _Analysis:
       if _is_var(v) and v in param_layer:
         current = max(current, rank[param_layer[v]])
     eqn_layer.append(current)
-  return _Analysis(layer_order, first_read, last_read, live, markers, eqn_layer)
+  return _Analysis(layer_order, first_read, last_read, live, markers, eqn_layer, from_inputs)
 
 
 def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
@@ -401,16 +418,12 @@ def _boundary_cut(
     if len(analysis.live[c]) == 1:
       return c, "", ()
   fewest = min(range(before + 1, after + 1), key=lambda c: len(analysis.live[c]))
-  inputs = {v: i for i, v in enumerate(trace.input_vars)}
-  values = ", ".join(
-    f"model input {inputs[v]} ({v.aval.str_short()})" if v in inputs else v.aval.str_short()
-    for v in analysis.live[fewest]
-  )
+  values = ", ".join(v.aval.str_short() for v in analysis.live[fewest])
   return (
     None,
     f"between layers {a!r} and {b!r} there is no point where a single activation "
-    f"crosses ({len(analysis.live[fewest])} or more values are live, e.g. a skip connection "
-    f"or a model input read again later: {values})",
+    f"crosses ({len(analysis.live[fewest])} or more values are live, e.g. a skip connection: "
+    f"{values})",
     (),
   )
 
@@ -589,17 +602,22 @@ class StageProgram:
   """The model cut into stage functions for one (micro)batch shape.
 
   Attributes:
-    stage_fns: `stage_fns[s](leaves, x) -> y`, where `leaves` are that stage's
-      parameter leaves (in `stage_leaves[s]` order) and `x` the model's inputs
-      (any pytree) for stage 0, the activation entering stage s otherwise.
+    stage_fns: `stage_fns[s](leaves, x, inputs=None) -> y`, where `leaves` are
+      that stage's parameter leaves (in `stage_leaves[s]` order) and `x` the
+      model's inputs (any pytree) for stage 0, the activation entering stage s
+      otherwise; a later stage with `reads_inputs[s]` also takes the model's
+      `inputs`.
     stage_leaves: indices into the flattened params of each stage's leaves.
     boundaries: the abstract value entering each stage (`boundaries[0]` is the
       inputs pytree) plus the output (`boundaries[P]`).
+    reads_inputs: per stage, whether a stage after the first recomputes values
+      from the model inputs (a padding mask read by every block).
   """
 
   stage_fns: tuple[Callable[..., jax.Array], ...]
   stage_leaves: tuple[tuple[int, ...], ...]
   boundaries: tuple[jax.ShapeDtypeStruct, ...]
+  reads_inputs: tuple[bool, ...]
 
 
 def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan) -> StageProgram:
@@ -616,10 +634,28 @@ def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan)
   live_out = [v[0] for v in live_in[1:]] + [trace.jaxpr.outvars[0]]
   param_index = {v: i for i, v in enumerate(trace.param_vars)}
   const_index = {v: i for i, v in enumerate(trace.jaxpr.constvars)}
-  fns, leaves_per_stage, boundaries = [], [], []
+  producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+  fns, leaves_per_stage, boundaries, reads_inputs = [], [], [], []
   batch = jax.tree.leaves(inputs)[0].shape[0]
   for s in range(len(bounds) - 1):
     segment = eqns[bounds[s] : bounds[s + 1]]
+    # What it reads of the values computed from the inputs before it, it recomputes.
+    todo = [
+      v
+      for eqn in segment
+      for v in eqn.invars
+      if _is_var(v) and v in analysis.from_inputs and producer.get(v, bounds[s]) < bounds[s]
+    ]
+    earlier: set[int] = set()
+    while todo:
+      i = producer.get(todo.pop())
+      if i is not None and i not in earlier:
+        earlier.add(i)
+        todo.extend(v for v in eqns[i].invars if _is_var(v))
+    segment = [eqns[i] for i in sorted(earlier)] + list(segment)
+    reads = s > 0 and any(
+      v in trace.input_vars for eqn in segment for v in eqn.invars if _is_var(v)
+    )
     used = []
     consts_used = []
     for eqn in segment:
@@ -641,7 +677,7 @@ def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan)
       boundaries.append(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
     sub = jex.Jaxpr(
       constvars=consts_used,
-      invars=[*used, *live_in[s]],
+      invars=[*used, *live_in[s], *(trace.input_vars if reads else [])],
       outvars=[live_out[s]],
       eqns=segment,
       effects=jex.no_effects,
@@ -649,21 +685,24 @@ def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan)
         "parstrat pipeline stage",
         f"stage {s}",
         tuple(f"param{i}" for i in range(len(used)))
-        + tuple(f"input{i}" for i in range(len(live_in[s]))),
+        + tuple(f"input{i}" for i in range(len(live_in[s])))
+        + tuple(f"model_input{i}" for i in range(len(trace.input_vars) if reads else 0)),
         ("output",),
       ),
     )
     consts = [trace.consts[const_index[v]] for v in consts_used]
 
-    def run(leaves, x, _sub=sub, _consts=consts):
-      (out,) = jax.core.eval_jaxpr(_sub, _consts, *leaves, *jax.tree.leaves(x))
+    def run(leaves, x, inputs=None, _sub=sub, _consts=consts, _reads=reads):
+      model_inputs = jax.tree.leaves(inputs) if _reads else []
+      (out,) = jax.core.eval_jaxpr(_sub, _consts, *leaves, *jax.tree.leaves(x), *model_inputs)
       return out
 
     fns.append(run)
     leaves_per_stage.append(tuple(param_index[v] for v in used))
+    reads_inputs.append(reads)
   out = trace.jaxpr.outvars[0].aval
   boundaries.append(jax.ShapeDtypeStruct(out.shape, out.dtype))
-  return StageProgram(tuple(fns), tuple(leaves_per_stage), tuple(boundaries))
+  return StageProgram(tuple(fns), tuple(leaves_per_stage), tuple(boundaries), tuple(reads_inputs))
 
 
 def flat_width(aval: jax.ShapeDtypeStruct) -> int:

@@ -98,11 +98,11 @@ def _sizes(avals: Sequence[Any]) -> dict[np.dtype, int]:
   return sizes
 
 
-def stage_function(staged, stage: int, y, dtype, activations: str):
+def stage_function(staged, stage: int, x, y, dtype, activations: str):
   """`(leaves, input) -> (padded output, loss)` of one stage, under the remat policy."""
 
   def f(leaves, inp):
-    return staged.apply(stage, leaves, inp, y, dtype)
+    return staged.apply(stage, leaves, inp, y, dtype, x)
 
   if activations in ("recompute", "save"):
     return f
@@ -141,7 +141,7 @@ def find_residuals(staged, stage: int, row, act, x, y, dtype, activations: str) 
 
   def probe(row, act, x, y, through_input):
     leaves, inp = staged.stage_inputs(stage, row, act, x)
-    f = stage_function(staged, stage, y, dtype, activations)
+    f = stage_function(staged, stage, x, y, dtype, activations)
     outputs, vjp_fn = _vjp(f, leaves, inp, through_input)
     vjp_fn(jax.tree.map(jnp.zeros_like, outputs))  # (traced only: fails where autodiff does)
     res, found["treedef"], found["sources"] = _split(vjp_fn, leaves, inp)
@@ -158,10 +158,10 @@ def find_residuals(staged, stage: int, row, act, x, y, dtype, activations: str) 
 
 
 def forward_saving(
-  staged, stage: int, residuals: Residuals, leaves, inp, y, dtype, activations: str, slot
+  staged, stage: int, residuals: Residuals, leaves, inp, x, y, dtype, activations: str, slot
 ):
   """Runs the stage forward; returns `(padded output, loss, stored residuals packed in a slot)`."""
-  f = stage_function(staged, stage, y, dtype, activations)
+  f = stage_function(staged, stage, x, y, dtype, activations)
   (out, loss), vjp_fn = _vjp(f, leaves, inp, residuals.through_input)
   res, _, sources = _split(vjp_fn, leaves, inp)
   stored = [r for r, source in zip(res, sources, strict=True) if source is None]
