@@ -671,6 +671,9 @@ def test_file_system_problems_are_one_line_before_anything_runs(tmp_path, flags,
     (["trian"], "parstrat: error: argument command: invalid choice: 'trian' (choose from "
      "'train', 'schedule', 'list') (did you mean train?)"),
     (["train", "--epochs"], "parstrat train: error: argument --epochs: expected one argument"),
+    (["schedule", "--stagse", "3", "--microbatches", "4"], "parstrat schedule: error: the "
+     "following arguments are required: --stages; unrecognized arguments: --stagse (did you "
+     "mean --stages?)"),
     (["train", "--source", "sampel"], "parstrat train: error: argument --source: invalid choice: "
      "'sampel' (choose from 'auto', 'tfds', 'sample') (did you mean sample?)"),
   ],

@@ -162,7 +162,21 @@ class _Version(argparse.Action):
 class _Parser(argparse.ArgumentParser):
   """argparse with one-line errors and a "did you mean" for misspelt flags and commands."""
 
+  def parse_known_args(self, args=None, namespace=None):
+    self._given = list(sys.argv[1:] if args is None else args)  # (for `error`)
+    return super().parse_known_args(args, namespace)
+
   def error(self, message: str):  # noqa: D401 - argparse's hook
+    if message.startswith("the following arguments are required"):
+      # argparse names a missing flag before a misspelt one: `--stagse 3` for `--stages`.
+      flags = self._option_string_actions
+      unknown = [
+        token
+        for token in getattr(self, "_given", [])
+        if token.startswith("--") and not any(f.startswith(token.split("=")[0]) for f in flags)
+      ]
+      if unknown:
+        message += f"; unrecognized arguments: {unknown[0]}"
     print(f"{self.prog}: error: {message}{_suggestion(self, message)}", file=sys.stderr)
     sys.exit(2)
 
