@@ -236,6 +236,14 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys
   assert message in err and "\n" not in err
 
 
+def test_a_bad_name_in_compare_is_not_blamed_on_the_files_strategy(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  pathlib.Path("run.toml").write_text('strategy = "fsdp"\n')
+  assert cli.main(["train", "--config", "run.toml", "--compare", "data_parallel,fdsp"]) == 2
+  err = capsys.readouterr().err
+  assert "Unknown strategy 'fdsp'" in err and "strategy = 'fsdp'" not in err, err
+
+
 def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
   (tmp_path / "mymodel.py").write_text(USER_FILE)
   monkeypatch.chdir(tmp_path)

@@ -809,8 +809,10 @@ def train(args: argparse.Namespace) -> dict:
       strategies[name] = parstrat.get(name, devices=devices, **options)
       if not strategies[name].deferred:  # fail on an impossible mesh before loading data
         strategies[name].make_mesh()
-    except KeyError as e:
-      raise _bad_option(args, "strategy", e.args[0]) from None
+    except KeyError as e:  # (with --compare the names come from the command line)
+      raise (
+        UsageError(e.args[0]) if args.compare else _bad_option(args, "strategy", e.args[0])
+      ) from None
     except TooFewDevicesError as e:
       raise UsageError(_devices_hint(e, devices)) from None
     except (TypeError, ValueError) as e:
