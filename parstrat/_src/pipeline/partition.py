@@ -237,6 +237,15 @@ def _is_var(v) -> bool:
   return not isinstance(v, jex.Literal)
 
 
+def _computed_from(eqns: Sequence[Any], sources: Sequence[Any]) -> set[Any]:
+  """`sources` and the values of the effect-free equations that read only such values."""
+  derived = set(sources)
+  for eqn in eqns:
+    if not eqn.effects and all(v in derived for v in eqn.invars if _is_var(v)):
+      derived.update(eqn.outvars)
+  return derived
+
+
 def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
   """Moves each equation computed from parameters alone to just before its first use.
 
@@ -246,7 +255,7 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
   they are used, they join their layer's stage. The order of everything else
   is kept.
   """
-  derived = set(sources)
+  derived = _computed_from(eqns, sources)
   producer: dict[Any, int] = {}
   emitted: set[int] = set()
   out: list[Any] = []
@@ -267,9 +276,7 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
 
   for i, eqn in enumerate(eqns):
     if not eqn.effects and all(v in derived for v in eqn.invars if _is_var(v)):
-      for v in eqn.outvars:
-        derived.add(v)
-        producer[v] = i
+      producer.update((v, i) for v in eqn.outvars)
       continue
     emit_inputs(eqn)
     out.append(eqn)
@@ -346,12 +353,7 @@ def _analyse(trace: _Trace) -> _Analysis:
   # Values computed from the model inputs (and constants) alone, such as a padding mask
   # every block reads: each stage that reads one recomputes it from the inputs, which
   # every device holds, so they never cross a cut.
-  from_inputs = set(trace.input_vars)
-  for eqn in eqns:
-    if not eqn.effects and all(
-      v in from_inputs or v in trace.jaxpr.constvars for v in eqn.invars if _is_var(v)
-    ):
-      from_inputs.update(eqn.outvars)
+  from_inputs = _computed_from(eqns, [*trace.input_vars, *trace.jaxpr.constvars])
   live = []
   for c in range(len(eqns) + 1):
     live.append(
