@@ -51,6 +51,7 @@ def _row_name(name: str) -> str:
   name = re.sub(r"^(data_parallel|fsdp|pipeline|hybrid 2x4)", r"`\1`", name)
   name = name.replace(" K2", ", `exchange_every=2`")
   name = name.replace(" K1", ", `exchange_every=1`")
+  name = name.replace(" unrolled", ", `unroll=True`")
   name = name.replace("`fsdp` replicate_below", "`fsdp` `replicate_below")
   name = name.replace("=100,000, 8", "=100_000`, 8")
   name = name.replace("interleaved_1f1b", "interleaved_1f1b v=2")

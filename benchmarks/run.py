@@ -174,21 +174,27 @@ DOTS = {"activations": "dots_saveable"}
 #: The pipeline rows: (schedule, options). "save" keeps each forward's residuals
 #: (no rerun in the backward, as in the hand-written GPipe), "dots_saveable" its
 #: matmul outputs (the backward reruns the element-wise work), "K2" exchanges
-#: messages every two ticks (a forward and a backward between exchanges).
+#: messages every two ticks (a forward and a backward between exchanges),
+#: "unrolled" traces the ticks as straight-line code (`unroll=True`).
+UNROLL = {"unroll": True}
 PIPELINES = (
   ("gpipe", {}),
   ("gpipe", DOTS),
   ("gpipe", SAVE),
   ("1f1b", {}),
+  ("1f1b", UNROLL),
   ("1f1b", DOTS),
   ("1f1b", SAVE),
   ("1f1b", {**SAVE, **K2}),
   ("zb_h1", {}),
+  ("zb_h1", UNROLL),
   ("zb_h1", K2),
   ("zb_h1", {**DOTS, **K2}),
   ("zb_h1", SAVE),
+  ("zb_h1", {**SAVE, **UNROLL}),
   ("zb_h1", {**SAVE, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, "exchange_every": 1}),
+  ("interleaved_1f1b", {"virtual_stages": 2, "exchange_every": 1, **UNROLL}),
   ("interleaved_1f1b", {"virtual_stages": 2, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **DOTS, **K2}),
   ("interleaved_1f1b", {"virtual_stages": 2, **SAVE, **K2}),
@@ -218,6 +224,7 @@ def pipeline_label(schedule: str, options: dict) -> str:
   """E.g. "1f1b save K2" for ("1f1b", {"activations": "save", "exchange_every": 2})."""
   extra = [options["activations"]] if "activations" in options else []
   extra += [f"K{options['exchange_every']}"] if "exchange_every" in options else []
+  extra += ["unrolled"] if options.get("unroll") else []
   return " ".join([schedule, *extra])
 
 

@@ -384,6 +384,7 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
     "zb_h1": ["--schedule", "zb_h1", "--activations", "save"],
     "interleaved": ["--schedule", "interleaved_1f1b", "--virtual-stages", "2"],
     "exchange_every": ["--schedule", "1f1b", "--exchange-every", "2", "--activations", "save"],
+    "unroll": ["--schedule", "zb_h1", "--unroll"],
   }
   losses, outputs = {}, {}
   for name, extra in runs.items():
@@ -393,7 +394,7 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses[name] = [r["loss"] for r in rows if "loss" in r]
   assert len(losses["1f1b"]) == 3
-  for name in ("zb_h1", "interleaved", "exchange_every"):
+  for name in ("zb_h1", "interleaved", "exchange_every", "unroll"):
     np.testing.assert_allclose(losses[name], losses["1f1b"], rtol=1e-5)
   assert "(an exchange every 2)" in outputs["exchange_every"]
   assert (
@@ -404,6 +405,8 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
   assert "zb_h1" in outputs["zb_h1"] and "activations: save" in outputs["zb_h1"]
   assert "interleaved_1f1b, 2 virtual stages per device" in outputs["interleaved"]
   assert "(an exchange every 2)" in outputs["interleaved"]  # its default
+  assert "options: schedule=zb_h1, unroll=True, microbatches=2" in outputs["unroll"]
+  assert "ticks, unrolled" in outputs["unroll"] and "unrolled" not in outputs["zb_h1"]
 
 
 def _user_run(tmp_path, monkeypatch, *flags) -> int:

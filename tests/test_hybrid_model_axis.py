@@ -61,6 +61,27 @@ def test_an_exchange_every_two_ticks_with_a_model_axis_matches_single_device_jit
   )
 
 
+def test_unrolled_ticks_with_a_model_axis_match_single_device_jit():
+  # ZB-H1's ticks as straight-line code, two per exchange, each stage split over
+  # "model": the branch check (run before the first step) finds no collective leaving
+  # "model" inside the ticks' switches, and the replicas average their gradients
+  # after the last tick.
+  strategy = parstrat.Hybrid(
+    data=2,
+    stages=2,
+    model=2,
+    microbatches=4,
+    cuts=ODD_CUTS,
+    schedule="zb_h1",
+    exchange_every=2,
+    unroll=True,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(
+    strategy, ODD_STAGE, [optax.sgd(0.1)], steps=3, batch=16, features=FEATURES
+  )
+
+
 def test_gpipe_with_a_model_axis_matches_jit_with_only_stage_local_reductions_in_branches():
   # Autodiff of a forward tick loop (tried for GPipe in an earlier round) made XLA
   # reshard split stage buffers inside the per-stage branches. The tick-table engine

@@ -263,6 +263,7 @@ def test_microbatches_must_divide_the_batch():
       "The '1f1b' schedule runs stages=2, not 4",
     ),
     (dict(stages=2, exchange_every=0), ValueError, "exchange_every must be a positive integer"),
+    (dict(stages=2, unroll="yes"), ValueError, "unroll must be True or False, got 'yes'"),
     (
       dict(stages=2, schedule=pipeline.build_schedule("1f1b", 2, 2), exchange_every=2),
       ValueError,
@@ -885,7 +886,7 @@ def test_gpipe_keeping_activations_matches_jit(activations):
   )
 
 
-def _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, exchange_every=None):
+def _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, **options):
   """P = M = 4 on DEEP_MLP matches single-device jit with SGD, NaN in every bubble."""
   strategy = parstrat.PipelineModelParallel(
     stages=4,
@@ -893,8 +894,8 @@ def _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, exchange_
     schedule=schedule,
     virtual_stages=virtual_stages,
     activations=activations,
-    exchange_every=exchange_every,
     bubble_value=float("nan"),
+    **options,
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=3, batch=16)
 
@@ -922,6 +923,70 @@ def test_saved_activations_match_jit(schedule, activations, virtual_stages):
 )
 def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_stages):
   _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, exchange_every=2)
+
+
+# Unrolled ticks: the same passes and exchanges as straight-line code, each tick's
+# switch indexed among its own passes. SGD, NaN in every bubble: a pass picked from
+# the wrong tick, or an exchange moving another's messages, changes the params.
+# Interleaved at P = 3, M = 6 (six model stages) is the smallest table where messages
+# wait on their sender and other exchanges take two ppermutes. (ZB-H1's I and W
+# passes, two ticks per exchange, unrolled: tests/test_hybrid_model_axis.py.)
+def test_unrolled_ticks_match_jit():
+  plan = engine.exchange_plan(pipeline.build_schedule("interleaved_1f1b", 3, 6, virtual_stages=2))
+  assert plan.waits and engine.BOTH_WAYS in plan.ways
+  strategy = parstrat.PipelineModelParallel(
+    stages=3,
+    microbatches=6,
+    schedule="interleaved_1f1b",
+    virtual_stages=2,
+    exchange_every=1,
+    unroll=True,
+    bubble_value=float("nan"),
+  )
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=2, batch=12)
+
+
+def _step_jaxpr(**options):
+  """The traced step of a P = 4, M = 8 pipeline on DEEP_MLP."""
+  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=8, **options)
+  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
+  sharding = trainer._batch_sharding()
+  batch = (
+    jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sharding),
+    jax.ShapeDtypeStruct((32,), jnp.int32, sharding=sharding),
+  )
+  return trainer._compiled_step.trace(state, batch).jaxpr.jaxpr
+
+
+@pytest.mark.parametrize(
+  "options",
+  [dict(schedule="zb_h1"), dict(schedule="interleaved_1f1b", virtual_stages=2, exchange_every=1)],
+  ids=lambda options: options["schedule"],
+)
+def test_unrolled_ticks_run_no_loop_and_each_exchange_its_own_ppermutes(options):
+  schedule = pipeline.build_schedule(
+    options["schedule"], 4, 8, virtual_stages=options.get("virtual_stages", 1)
+  )
+  plan = engine.exchange_plan(schedule)
+  ways = [plan.ways[i] for i in plan.way_index]
+  expected = sum(2 if way == engine.BOTH_WAYS else int(bool(way)) for way in ways)
+  rolled, unrolled = _step_jaxpr(**options), _step_jaxpr(unroll=True, **options)
+  for jaxpr in (rolled, unrolled):
+    switches = [e for e in _eqns(jaxpr) if e.primitive.name == "cond"]
+    assert switches, "no switch at all: the step was not read"
+  # Rolled: one loop over the exchanges, its switch holding every pass of the table.
+  assert [e.primitive.name for e in _eqns(rolled) if e.primitive.name in ("scan", "while")]
+  # Unrolled: no loop; every ppermute outside any switch, one per exchange that moves
+  # messages (two where two messages reach one device and neither can wait).
+  assert not [e for e in _eqns(unrolled) if e.primitive.name in ("scan", "while")]
+  assert not [e for e in _eqns(unrolled) if e.primitive.name == "cond" and _count_in(e, "ppermute")]
+  assert _count(unrolled, "ppermute") == expected
+  # Each tick's switch holds only the passes some device runs in it: P at most.
+  passes = lambda jaxpr: [
+    len(e.params["branches"]) for e in _eqns(jaxpr) if e.primitive.name == "cond"
+  ]
+  assert max(passes(unrolled)) <= 4 < max(passes(rolled))
 
 
 def _row_slices_in_branches(trainer, state, batch) -> int:

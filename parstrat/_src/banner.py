@@ -93,6 +93,7 @@ def options(trainer) -> list[str]:
       ("virtual_stages", None),
       ("activations", "recompute"),
       ("exchange_every", None),
+      ("unroll", False),
     ):
       value = getattr(strategy, name, default)
       if value != default:

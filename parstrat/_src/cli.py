@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="pipeline ticks (passes) each device runs between two message exchanges "
     "(default: the strategy's, 2 for interleaved_1f1b, else 1; 2 also suits 1f1b)",
   )
+  train.add_argument(
+    "--unroll",
+    action="store_true",
+    default=None,
+    help="trace a pipeline's ticks as straight-line code, not a loop: a faster step, "
+    "a longer compilation",
+  )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
   train.add_argument(
@@ -525,7 +532,7 @@ def _strategy_config(
 
   config = {}
   keys = ("data", "stages", "model", "microbatches", "schedule", "virtual_stages", "activations",
-          "exchange_every", "zero", "replicate_below", "memory_budget")  # fmt: skip
+          "exchange_every", "unroll", "zero", "replicate_below", "memory_budget")  # fmt: skip
   for key in keys:
     value = getattr(args, key)
     if value is not None:

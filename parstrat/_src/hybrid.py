@@ -59,6 +59,7 @@ def make_pipeline_plan(
   virtual_stages: int | None = None,
   activations: str = "recompute",
   exchange_every: int | None = None,
+  unroll: bool = False,
 ) -> Plan:
   """The `Plan` shared by `PipelineModelParallel` and `Hybrid` on a (data, stage) mesh.
 
@@ -132,6 +133,7 @@ def make_pipeline_plan(
       stage_axis=STAGE,
       bubble_value=bubble_value,
       activations=activations,
+      unroll=unroll,
     )
     # This replica's loss and gradients; `reduce` averages them over "data".
     return loss, grads, model_state
@@ -163,6 +165,7 @@ def make_pipeline_plan(
   chunks = f", {v} virtual stages per device" if v > 1 else ""
   every = sched.exchange_every
   ticks = f"{sched.num_ticks} ticks" + (f" (an exchange every {every})" if every > 1 else "")
+  ticks += ", unrolled" if unroll else ""
   description = (
     f"{stage_plan}\n"
     f"{buffers}"
@@ -359,6 +362,8 @@ class Hybrid(Strategy):
     exchange_every: the ticks each device runs between two exchanges of
       messages (default 2 for "interleaved_1f1b", else 1); see
       `PipelineModelParallel`.
+    unroll: trace the schedule's ticks as straight-line code instead of a loop
+      (default False); see `PipelineModelParallel`.
     balance: what the automatic cut balances, "params" or "flops".
     cuts: layer indices where stages 1.. start, overriding the automatic cut.
     bubble_value: what idle pipeline slots send (tests set NaN).
@@ -381,6 +386,7 @@ class Hybrid(Strategy):
   virtual_stages: int | None = None
   activations: str = "recompute"
   exchange_every: int | None = None
+  unroll: bool = False
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -420,6 +426,8 @@ class Hybrid(Strategy):
     residuals_lib.check_activations(self.activations)
     if self.exchange_every is not None:
       _check_positive("exchange_every", self.exchange_every)
+    if not isinstance(self.unroll, bool):
+      raise ValueError(f"unroll must be True or False, got {self.unroll!r}.")
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
@@ -458,4 +466,5 @@ class Hybrid(Strategy):
       virtual_stages=self.virtual_stages,
       activations=self.activations,
       exchange_every=self.exchange_every,
+      unroll=self.unroll,
     )

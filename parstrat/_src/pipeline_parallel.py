@@ -46,6 +46,13 @@ class PipelineModelParallel(Strategy):
   memory (`parstrat.pipeline.Schedule.lockstep_time` gives each in forwards).
   So the default is 2 for "interleaved_1f1b" and 1 for the other schedules.
 
+  The ticks run in a `lax.fori_loop` by default. With `unroll=True` they are
+  traced as straight-line code: each tick's `lax.switch` holds only the passes
+  some device runs in it, every table lookup is a constant, and each exchange
+  runs the one `ppermute` it needs, with no switch around it. The step is then
+  a few percent faster on a device per core, and takes several times longer to
+  compile, more so as M grows (see the README's "Unrolled ticks").
+
   This is `Hybrid` with one data replica.
 
   Args:
@@ -63,6 +70,8 @@ class PipelineModelParallel(Strategy):
       "nothing_saveable").
     exchange_every: the ticks (passes) each device runs between two exchanges
       of messages, 1 or more (default: 2 for "interleaved_1f1b", else 1).
+    unroll: trace the ticks as straight-line code instead of a loop (default
+      False): a faster step, a longer compilation.
     balance: "params" (default) or "flops": what the automatic cut balances.
     cuts: layer indices at which stages 1..P-1 start.
     bubble_value: what idle slots send (tests fill bubbles with NaN).
@@ -80,6 +89,7 @@ class PipelineModelParallel(Strategy):
   virtual_stages: int | None = None
   activations: str = "recompute"
   exchange_every: int | None = None
+  unroll: bool = False
   balance: str = "params"
   cuts: tuple[int, ...] | None = None
   bubble_value: float = 0.0
@@ -100,6 +110,7 @@ class PipelineModelParallel(Strategy):
       virtual_stages=self.virtual_stages,
       activations=self.activations,
       exchange_every=self.exchange_every,
+      unroll=self.unroll,
       balance=self.balance,
       cuts=self.cuts,
       bubble_value=self.bubble_value,

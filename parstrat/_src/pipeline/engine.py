@@ -666,6 +666,7 @@ def pipeline_loss_and_grad(
   stage_axis: str,
   bubble_value: float = 0.0,
   activations: str = "recompute",
+  unroll: bool = False,
 ) -> tuple[jax.Array, Any]:
   """One device's share of a pipelined forward and backward over its batch block.
 
@@ -674,7 +675,8 @@ def pipeline_loss_and_grad(
     split the batch block into M microbatches
     common[j] = the leaves every stage holds at the same place, cut once from
                 params[j] (the others are sliced from params[j] per pass)
-    for e in range(T // K):                   # K = schedule.exchange_every
+    for e in range(T // K):                   # K = schedule.exchange_every; a
+                                              # fori_loop, or unrolled (`unroll`)
       for t in range(e K, e K + K):           # T = schedule.num_ticks
         match schedule.action[t, s] (of chunk j, microbatch m):
           FORWARD:  y = stage_g(params[j], stash[slot] or x[m]); send y on;
@@ -722,6 +724,11 @@ def pipeline_loss_and_grad(
     activations: "recompute" (stash each stage input, rerun the forward in the
       backward), "save" (keep the forward's residuals in slots, no rerun), or a
       `jax.checkpoint_policies` name in between; see `residuals.ACTIVATIONS`.
+    unroll: trace every exchange into straight-line code instead of a
+      `lax.fori_loop` over them: each tick's switch then holds only the passes
+      run in that tick, and each exchange's `ppermute` is the one its way
+      needs, picked at trace time. A faster step for a longer compilation (it
+      grows with the number of ticks).
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
@@ -738,16 +745,6 @@ def pipeline_loss_and_grad(
   layout = staged.layout
   stage = lax.axis_index(stage_axis)
   keys, branch_index = branch_table(schedule)
-  tables = jnp.asarray(
-    np.stack(
-      [
-        branch_index,
-        np.maximum(schedule.microbatch, 0),
-        schedule.act_slot,
-        schedule.grad_slot,
-      ]
-    )
-  )
   fill = jnp.full((mb, W), bubble_value, dtype)
   zero_act = jnp.zeros((mb, W), dtype)
   zero_loss = jnp.zeros((), jnp.float32)
@@ -949,11 +946,31 @@ def pipeline_loss_and_grad(
 
   branches = [branch(action, g) for action, g in keys]
   cyclic = v > 1
-  tables = jnp.concatenate([tables, jnp.asarray(res_slot[None])])
-
   K = schedule.exchange_every
-  tables = jnp.concatenate([tables, jnp.asarray(_sends(schedule).astype(np.int32))])
-  tables = jnp.concatenate([tables, jnp.asarray(handoff_slot[None])])
+  # [8, T, P]: per tick and device, its branch, microbatch, the activation, gradient,
+  # residual and handoff slots it reads or writes, and whether it sends on / back.
+  tables = np.concatenate(
+    [
+      np.stack([branch_index, np.maximum(schedule.microbatch, 0)]),
+      np.stack([schedule.act_slot, schedule.grad_slot, res_slot]),
+      _sends(schedule).astype(np.int32),
+      handoff_slot[None],
+    ]
+  )
+  traced_tables = jnp.asarray(tables)
+
+  def tick(t):
+    """(the tick's branches, this device's row of the tables at tick t).
+
+    A traced t reads the whole table. A static one (`unroll`) reads the tick's
+    column alone, and the tick's switch holds only the passes some device runs in it.
+    """
+    if not unroll:
+      return branches, [traced_tables[i, t, stage] for i in range(8)]
+    here = sorted(set(tables[0, t].tolist()))
+    local = np.asarray([here.index(i) for i in tables[0, t]], np.int32)
+    column = [jnp.asarray(local), *(jnp.asarray(tables[i, t]) for i in range(1, 8))]
+    return [branches[i] for i in here], [c[stage] for c in column]
 
   def move(way):
     """(what arrives from device s-1, from s+1) in an exchange moving messages `way`."""
@@ -979,18 +996,19 @@ def pipeline_loss_and_grad(
   receive = jnp.asarray(np.stack([plan.recv_act_slot, plan.recv_grad_slot]))
 
   def exchange(e, carry):
-    """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back."""
+    """Ticks e K .. e K + K - 1, then the exchange: activations on, gradients back.
+
+    `e` is traced in a `lax.fori_loop`, or a Python int when the ticks are unrolled.
+    """
     stash, inbox, saved, pending, grads, loss, outbox = carry
     send_act = send_grad = fill if outbox is None else outbox
     for k in range(K):
-      t = e * K + k
-      index, m, a_slot, g_slot, r_slot, sends_act, sends_grad, h_slot = (
-        tables[i, t, stage] for i in range(8)
-      )
+      tick_branches, row = tick(e * K + k)
+      index, m, a_slot, g_slot, r_slot, sends_act, sends_grad, h_slot = row
       # A pass sends at most one message (an activation on or a gradient back).
       message, grads, saved, pending, d_loss = lax.switch(
         index,
-        branches,
+        tick_branches,
         block,
         common,
         grads,
@@ -1010,7 +1028,9 @@ def pipeline_loss_and_grad(
       else:  # (a device sends at most one of each per exchange)
         send_act = jnp.where(sends_act > 0, message, send_act)
         send_grad = jnp.where(sends_grad > 0, message, send_grad)
-    if len(plan.ways) == 1:
+    if unroll:  # (e is static: this exchange's own way, no switch)
+      from_prev, from_next = moves[plan.way_index[e]](send_act, send_grad)
+    elif len(plan.ways) == 1:
       from_prev, from_next = moves[0](send_act, send_grad)
     else:  # (every device takes the same branch: see `hlo_check.UNIFORM_SCOPE`)
       with jax.named_scope(hlo_check.UNIFORM_SCOPE):
@@ -1031,9 +1051,12 @@ def pipeline_loss_and_grad(
     zero_loss,
     fill if plan.waits else None,  # (the outbox)
   )
-  _, _, _, _, (row_grads, common_grads), loss, _ = lax.fori_loop(
-    0, schedule.num_exchanges, exchange, carry
-  )
+  if unroll:  # (straight-line code: every index above is static)
+    for e in range(schedule.num_exchanges):
+      carry = exchange(e, carry)
+  else:
+    carry = lax.fori_loop(0, schedule.num_exchanges, exchange, carry)
+  _, _, _, _, (row_grads, common_grads), loss, _ = carry
   loss = lax.psum(loss, stage_axis) / M
   if not jax.tree.leaves(common):
     return loss, row_grads
