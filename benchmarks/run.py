@@ -167,6 +167,7 @@ WIDTH, LAYERS, BATCH = 512, 8, ARGS.batch
 STAGES, MICRO = 4, 8
 HYBRID_DATA, HYBRID_MICRO = 2, 4
 SAVE, K2 = {"activations": "save"}, {"exchange_every": 2}
+UNROLL = {"unroll": True}
 #: The `fsdp` row's second layout: leaves under this many elements stay replicated
 #: (DeepSpeed ZeRO-3's default `stage3_param_persistence_threshold`; here the biases).
 REPLICATE_BELOW = 100_000
@@ -176,7 +177,6 @@ DOTS = {"activations": "dots_saveable"}
 #: matmul outputs (the backward reruns the element-wise work), "K2" exchanges
 #: messages every two ticks (a forward and a backward between exchanges),
 #: "unrolled" traces the ticks as straight-line code (`unroll=True`).
-UNROLL = {"unroll": True}
 PIPELINES = (
   ("gpipe", {}),
   ("gpipe", DOTS),

@@ -63,9 +63,9 @@ def test_an_exchange_every_two_ticks_with_a_model_axis_matches_single_device_jit
 
 def test_unrolled_ticks_with_a_model_axis_match_single_device_jit():
   # ZB-H1's ticks as straight-line code, two per exchange, each stage split over
-  # "model": the branch check (run before the first step) finds no collective leaving
-  # "model" inside the ticks' switches, and the replicas average their gradients
-  # after the last tick.
+  # "model", each forward's residuals kept in the slot its tick names: the branch
+  # check (run before the first step) finds no collective leaving "model" inside the
+  # ticks' switches, and the replicas average their gradients after the last tick.
   strategy = parstrat.Hybrid(
     data=2,
     stages=2,
@@ -74,6 +74,7 @@ def test_unrolled_ticks_with_a_model_axis_match_single_device_jit():
     cuts=ODD_CUTS,
     schedule="zb_h1",
     exchange_every=2,
+    activations="save",
     unroll=True,
     bubble_value=float("nan"),
   )

@@ -930,7 +930,8 @@ def test_an_exchange_every_two_ticks_matches_jit(schedule, activations, virtual_
 # the wrong tick, or an exchange moving another's messages, changes the params.
 # Interleaved at P = 3, M = 6 (six model stages) is the smallest table where messages
 # wait on their sender and other exchanges take two ppermutes. (ZB-H1's I and W
-# passes, two ticks per exchange, unrolled: tests/test_hybrid_model_axis.py.)
+# passes and "save"'s residual slots, two ticks per exchange, unrolled:
+# tests/test_hybrid_model_axis.py.)
 def test_unrolled_ticks_match_jit():
   plan = engine.exchange_plan(pipeline.build_schedule("interleaved_1f1b", 3, 6, virtual_stages=2))
   assert plan.waits and engine.BOTH_WAYS in plan.ways

@@ -726,9 +726,10 @@ def pipeline_loss_and_grad(
       `jax.checkpoint_policies` name in between; see `residuals.ACTIVATIONS`.
     unroll: trace every exchange into straight-line code instead of a
       `lax.fori_loop` over them: each tick's switch then holds only the passes
-      run in that tick, and each exchange's `ppermute` is the one its way
-      needs, picked at trace time. A faster step for a longer compilation (it
-      grows with the number of ticks).
+      run in that tick, its row of the tables is a constant (indexed by the
+      device's stage), and each exchange's `ppermute` is the one its way
+      needs, picked at trace time. A step up to a few percent faster for a
+      longer compilation (it grows with the number of ticks).
 
   Returns:
     `(loss, grads)`: this replica's mean loss (same on every stage) and the
@@ -966,10 +967,10 @@ def pipeline_loss_and_grad(
     column alone, and the tick's switch holds only the passes some device runs in it.
     """
     if not unroll:
-      return branches, [traced_tables[i, t, stage] for i in range(8)]
+      return branches, [traced_tables[i, t, stage] for i in range(len(tables))]
     here = sorted(set(tables[0, t].tolist()))
     local = np.asarray([here.index(i) for i in tables[0, t]], np.int32)
-    column = [jnp.asarray(local), *(jnp.asarray(tables[i, t]) for i in range(1, 8))]
+    column = [jnp.asarray(local), *(jnp.asarray(tables[i, t]) for i in range(1, len(tables)))]
     return [branches[i] for i in here], [c[stage] for c in column]
 
   def move(way):
@@ -1051,7 +1052,7 @@ def pipeline_loss_and_grad(
     zero_loss,
     fill if plan.waits else None,  # (the outbox)
   )
-  if unroll:  # (straight-line code: every index above is static)
+  if unroll:  # (straight-line code: every tick and exchange index above is static)
     for e in range(schedule.num_exchanges):
       carry = exchange(e, carry)
   else:
