@@ -155,10 +155,14 @@ def test_train_auto_prints_its_choice(capsys):
   common = ["train", "--strategy", "auto", "--devices", "2", "--hidden", "64", "--source",
             "sample", "--batch-size", "64", "--no-progress"]  # fmt: skip
   code = cli.main(
-    [*common, "--steps", "2", "--epochs", "1", "--precision", "mixed_bfloat16", "--accumulate", "2"]
-  )
+    [*common, "--steps", "2", "--epochs", "1", "--precision", "mixed_bfloat16", "--accumulate", "2",
+     "--stages", "2", "--unroll"]  # (flags auto does not take: named, not silently dropped)
+  )  # fmt: skip
   out = capsys.readouterr().out
   assert code == 0
+  assert (
+    "auto chooses the mesh and pipeline options itself; not used: stages = 2, unroll = True" in out
+  )
   assert "parstrat auto: 8 candidates, memory budget none per device" in out
   labels = ("data_parallel [data=2]", "fsdp zero=1 [data=2]", "tensor [model=2]")
   for label in (*labels, "pipeline [stage=2]", "pipeline activations=save [stage=2]"):

@@ -208,6 +208,9 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
   assert args.no_progress and not args.stop_on_nonfinite
   path.write_text("[train]\nepochs = 7\n")  # a [train] table works too
   assert parse("train", "--config", str(path)).epochs == 7
+  path.write_text("unroll = true\n")  # (a flag the file turns on, the command line off)
+  assert parse("train", "--config", str(path)).unroll is True
+  assert parse("train", "--config", str(path), "--no-unroll").unroll is False
 
 
 @pytest.mark.parametrize(

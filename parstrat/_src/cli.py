@@ -352,10 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument(
     "--unroll",
-    action="store_true",
+    action=argparse.BooleanOptionalAction,
     default=None,
     help="trace a pipeline's ticks as straight-line code, not a loop: a faster step, "
-    "a longer compilation",
+    "a longer compilation (--no-unroll: the loop, over a config file's unroll = true)",
   )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
@@ -523,7 +523,9 @@ def _strategy_config(
   A flag the strategy does not take is left out with --compare (each strategy
   takes what it understands) or when only the --config file set it (a file
   written for `hybrid` also serves `--strategy fsdp`); given on the command
-  line, it reaches the strategy, which refuses it by name.
+  line, it reaches the strategy, which refuses it by name. "auto" chooses the
+  mesh and the pipeline options itself: it takes only --memory-budget, and
+  every other strategy flag is left out.
   """
   import dataclasses
 
@@ -537,14 +539,16 @@ def _strategy_config(
     value = getattr(args, key)
     if value is not None:
       config[key] = value
+  flags = {"data": "data-parallel", "model": "tensor-parallel"}
   if parstrat._src.registry.lookup(name).deferred:  # "auto" measures the real batch
+    chosen = [k for k in config if k != "memory_budget"]
     config = {k: v for k, v in config.items() if k == "memory_budget"}
     config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
+    return config, [f"{flags.get(k, k.replace('_', '-'))} = {getattr(args, k)}" for k in chosen]
   cls = parstrat._src.registry.lookup(name)
   options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
   from_config = getattr(args, "from_config", set())
   unused = [k for k in config if k not in options and (compare or k in from_config)]
-  flags = {"data": "data-parallel", "model": "tensor-parallel"}
   return (
     {k: v for k, v in config.items() if k not in unused},
     [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
@@ -811,7 +815,9 @@ def train(args: argparse.Namespace) -> dict:
   for name in names:
     try:
       options, unused = _strategy_config(args, name, compare=bool(args.compare))
-      if unused and not args.compare:
+      if unused and parstrat._src.registry.lookup(name).deferred:
+        say(f"{name} chooses the mesh and pipeline options itself; not used: {', '.join(unused)}")
+      elif unused and not args.compare:
         say(f"{args.config}: not used by {name} (it takes no such option): {', '.join(unused)}")
       strategies[name] = parstrat.get(name, devices=devices, **options)
       if not strategies[name].deferred:  # fail on an impossible mesh before loading data

@@ -25,8 +25,7 @@ class PipelineModelParallel(Strategy):
   Each step splits the batch into `microbatches` that flow through the stages
   under the `schedule`:
 
-  * "gpipe": all forwards then all backwards (M activations alive per stage), run
-    as `jax.value_and_grad` of the forward loop (without a "model" axis);
+  * "gpipe": all forwards then all backwards (M activations alive per stage);
   * "1f1b": one forward one backward after a warm-up, so at most `stages`
     microbatches of activations are alive per stage;
   * "zb_h1": 1F1B with each backward split into an input-gradient pass and a
