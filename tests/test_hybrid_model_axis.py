@@ -43,39 +43,25 @@ def test_interleaved_with_a_model_axis_matches_single_device_jit():
   )
 
 
-def test_an_exchange_every_two_ticks_with_a_model_axis_matches_single_device_jit():
-  # Two passes per exchange, each split over "model": the branch check (run before
-  # the first step) finds no collective leaving "model" inside a stage branch.
+# Two passes per exchange, each split over "model", each forward's residuals kept in
+# the slot its tick names: the branch check (run before the first step) finds no
+# collective leaving "model" inside a stage branch. Unrolled, ZB-H1's ticks run as
+# straight-line code (each tick's residual and handoff slots read from its own column)
+# and the replicas still average their gradients once, after the last tick.
+@pytest.mark.parametrize(
+  "schedule, unroll", [("1f1b", False), ("zb_h1", True)], ids=["1f1b", "zb_h1-unrolled"]
+)
+def test_an_exchange_every_two_ticks_with_a_model_axis_matches_single_device_jit(schedule, unroll):
   strategy = parstrat.Hybrid(
     data=2,
     stages=2,
     model=2,
     microbatches=4,
     cuts=ODD_CUTS,
+    schedule=schedule,
     exchange_every=2,
     activations="save",
-    bubble_value=float("nan"),
-  )
-  parstrat.testing.check_strategy(
-    strategy, ODD_STAGE, [optax.sgd(0.1)], steps=3, batch=16, features=FEATURES
-  )
-
-
-def test_unrolled_ticks_with_a_model_axis_match_single_device_jit():
-  # ZB-H1's ticks as straight-line code, two per exchange, each stage split over
-  # "model", each forward's residuals kept in the slot its tick names: the branch
-  # check (run before the first step) finds no collective leaving "model" inside the
-  # ticks' switches, and the replicas average their gradients after the last tick.
-  strategy = parstrat.Hybrid(
-    data=2,
-    stages=2,
-    model=2,
-    microbatches=4,
-    cuts=ODD_CUTS,
-    schedule="zb_h1",
-    exchange_every=2,
-    activations="save",
-    unroll=True,
+    unroll=unroll,
     bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(

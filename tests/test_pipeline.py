@@ -307,7 +307,7 @@ def test_deep_unequal_mlp_matches_jit(stages, microbatches, schedule):
   strategy = parstrat.PipelineModelParallel(
     stages=stages, microbatches=microbatches, schedule=schedule
   )
-  parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=20, batch=32)
+  parstrat.testing.check_strategy(strategy, DEEP_MLP, optimizers, steps=6, batch=32)
 
 
 # Zero bubble (backward split into I and W) and interleaved virtual stages (8 model
@@ -368,9 +368,9 @@ def test_exchanges_take_two_ppermutes_only_where_two_messages_cannot_wait():
   assert plan.ways == (engine.BOTH_WAYS,) and not plan.waits
 
 
-def _ppermutes_per_exchange(schedule, **options):
-  """(the most ppermutes one exchange branch runs, ppermutes outside a switch) in a step."""
-  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=8, schedule=schedule, **options)
+def _step_jaxpr(**options):
+  """The traced step of a P = 4, M = 8 pipeline on DEEP_MLP."""
+  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=8, **options)
   trainer = strategy(DEEP_MLP, optax.sgd(0.1))
   state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
   sharding = trainer._batch_sharding()
@@ -378,7 +378,12 @@ def _ppermutes_per_exchange(schedule, **options):
     jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sharding),
     jax.ShapeDtypeStruct((32,), jnp.int32, sharding=sharding),
   )
-  step = trainer._compiled_step.trace(state, batch).jaxpr.jaxpr
+  return trainer._compiled_step.trace(state, batch).jaxpr.jaxpr
+
+
+def _ppermutes_per_exchange(schedule, **options):
+  """(the most ppermutes one exchange branch runs, ppermutes outside a switch) in a step."""
+  step = _step_jaxpr(schedule=schedule, **options)
   (loop,) = [  # the tick loop (a `scan`: `fori_loop` with a fixed trip count)
     j
     for e in _eqns(step)
@@ -945,19 +950,6 @@ def test_unrolled_ticks_match_jit():
     bubble_value=float("nan"),
   )
   parstrat.testing.check_strategy(strategy, DEEP_MLP, [optax.sgd(0.1)], steps=2, batch=12)
-
-
-def _step_jaxpr(**options):
-  """The traced step of a P = 4, M = 8 pipeline on DEEP_MLP."""
-  strategy = parstrat.PipelineModelParallel(stages=4, microbatches=8, **options)
-  trainer = strategy(DEEP_MLP, optax.sgd(0.1))
-  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, 16), np.float32))
-  sharding = trainer._batch_sharding()
-  batch = (
-    jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=sharding),
-    jax.ShapeDtypeStruct((32,), jnp.int32, sharding=sharding),
-  )
-  return trainer._compiled_step.trace(state, batch).jaxpr.jaxpr
 
 
 @pytest.mark.parametrize(
