@@ -540,15 +540,14 @@ def _strategy_config(
     if value is not None:
       config[key] = value
   flags = {"data": "data-parallel", "model": "tensor-parallel"}
-  if parstrat._src.registry.lookup(name).deferred:  # "auto" measures the real batch
-    chosen = [k for k in config if k != "memory_budget"]
-    config = {k: v for k, v in config.items() if k == "memory_budget"}
-    config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
-    return config, [f"{flags.get(k, k.replace('_', '-'))} = {getattr(args, k)}" for k in chosen]
   cls = parstrat._src.registry.lookup(name)
-  options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-  from_config = getattr(args, "from_config", set())
-  unused = [k for k in config if k not in options and (compare or k in from_config)]
+  if cls.deferred:  # "auto" measures the real batch
+    unused = [k for k in config if k != "memory_budget"]
+    config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
+  else:
+    options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    from_config = getattr(args, "from_config", set())
+    unused = [k for k in config if k not in options and (compare or k in from_config)]
   return (
     {k: v for k, v in config.items() if k not in unused},
     [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
