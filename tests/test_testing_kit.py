@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import parstrat
 import parstrat.testing
+from parstrat._src import testing as parstrat_testing
 from parstrat._src.strategy import Trainer
 
 
@@ -223,3 +224,18 @@ def test_every_registered_builtin_strategy_is_in_the_conformance_list():
     if parstrat._src.registry.lookup(name).__module__.startswith("parstrat._src")
   }
   assert builtin <= set(CONFORMANCE), f"add a line to CONFORMANCE for {builtin - set(CONFORMANCE)}"
+
+
+def test_the_reference_compiles_its_step_once_for_every_step():
+  # Adam's state was once left uncommitted (its count), and the reference's second
+  # step compiled again for the committed one the first step returned.
+  model = parstrat.testing.seed_mlp()
+  images, labels = parstrat.testing.random_batches(3, 8)
+  batches = list(zip(images, labels, strict=True))
+  params = jax.jit(model.init)(jax.random.key(0), images[0][:1])
+  counts = []
+  for steps in (1, 3):  # (a new optimizer each time: its `init` compiles in both)
+    with parstrat_testing._count_compiles() as compiles:
+      parstrat.testing.reference_train(model, optax.adam(1e-3), batches[:steps], params)
+    counts.append(len(compiles))
+  assert counts[0] == counts[1], counts

@@ -114,31 +114,35 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
       ],
     )
 
+  # Every function is compiled once per layout and reused at every step. Run
+  # eagerly, each of their operations would compile on its own, per leaf shape
+  # (a few seconds per probe of a deep model), and control flow such as
+  # MultiSteps' `lax.cond` would be traced and compiled again at every step.
+  init, update = jax.jit(optimizer.init), jax.jit(optimizer.update)
+  to_stored, to_params = jax.jit(plan.to_stored), jax.jit(plan.to_params)
+  apply_updates = jax.jit(optax.apply_updates)
   params = draw()
-  stored = plan.to_stored(params)
-  # One compiled update per layout: eager, control flow such as MultiSteps'
-  # `lax.cond` would be traced and compiled again at every step.
-  update = jax.jit(optimizer.update)
-  want_state = optimizer.init(params)
+  stored = to_stored(params)
+  want_state = init(params)
   try:
-    got_state = optimizer.init(stored)
+    got_state = init(stored)
   except Exception as e:  # noqa: BLE001 - any failure on the flat layout is the answer
     return f"on the flat layout it fails: {type(e).__name__}: {first_line(e)}"
   for step in range(STEPS):
     grads = draw()
     want, want_state = update(grads, want_state, params)
     try:
-      got, got_state = update(plan.to_stored(grads), got_state, stored)
+      got, got_state = update(to_stored(grads), got_state, stored)
     except Exception as e:  # noqa: BLE001
       return f"on the flat layout it fails: {type(e).__name__}: {first_line(e)}"
-    if not _close(plan.to_params(got), want):
+    if not _close(to_params(got), want):
       return f"its update {step + 1} on the flat layout differs from the one on the model's layout"
-    back = trees.map_param_like(got_state, stored, plan.to_params)
+    back = trees.map_param_like(got_state, stored, to_params)
     if jax.tree.structure(back) != jax.tree.structure(want_state):
       return "its state on the flat layout has another structure than on the model's layout"
     if not _close(back, want_state):
       return f"its state after update {step + 1} on the flat layout differs"
-    params, stored = optax.apply_updates(params, want), optax.apply_updates(stored, got)
+    params, stored = apply_updates(params, want), apply_updates(stored, got)
   return None
 
 

@@ -161,7 +161,10 @@ def reference_train(
   device = jax.devices()[0]
   params = jax.device_put(params, device)
   model_state = jax.device_put({} if model_state is None else model_state, device)
-  opt_state = optimizer.init(params)
+  # Compiled (eagerly, each leaf's zeros compile apart) and committed to `device`
+  # like the params: a state with an uncommitted leaf (Adam's count) would make
+  # the second step compile again, for its committed one.
+  opt_state = jax.device_put(jax.jit(optimizer.init)(params), device)
   base = None if rng is None else jax.random.fold_in(rng, 1)
 
   @jax.jit
