@@ -1,5 +1,6 @@
 """`parstrat train` as a daily tool: config files, your model and data, TensorBoard, banners."""
 
+import argparse
 import json
 import pathlib
 import shutil
@@ -211,6 +212,25 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
   path.write_text("unroll = true\n")  # (a flag the file turns on, the command line off)
   assert parse("train", "--config", str(path)).unroll is True
   assert parse("train", "--config", str(path), "--no-unroll").unroll is False
+  # Every flag a file can turn on, the command line can turn off.
+  path.write_text(
+    "no-progress = true\nresume = true\noverwrite = true\nallow-config-change = true\n"
+    "fresh-optimizer = true\nstop-on-nonfinite = true\n"
+  )
+  on = parse("train", "--config", str(path))
+  undo = ("--progress", "--no-resume", "--no-overwrite", "--no-allow-config-change",
+          "--no-fresh-optimizer", "--no-stop-on-nonfinite")  # fmt: skip
+  off = parse("train", "--config", str(path), *undo)
+  names = ("no_progress", "resume", "overwrite", "allow_config_change", "fresh_optimizer",
+           "stop_on_nonfinite")  # fmt: skip
+  assert [getattr(on, n) for n in names] == [True] * 6
+  assert [getattr(off, n) for n in names] == [False] * 6
+  parser = cli._train_parser(cli.build_parser())
+  for action in parser._actions:  # no flag left that only turns something on
+    if action.nargs == 0 and action.option_strings[0] not in ("-h", "--version"):
+      assert isinstance(action, argparse.BooleanOptionalAction) or any(
+        other.dest == action.dest and other is not action for other in parser._actions
+      ), action.option_strings
 
 
 @pytest.mark.parametrize(
@@ -220,6 +240,8 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ("epochs = 0", "run.toml: epochs = 0: expected a positive integer, got 0"),
     ('schedule = "zigzag"', "run.toml: schedule = 'zigzag': choose one of gpipe, 1f1b"),
     ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
+    # (`--progress` undoes a file's no-progress; as a key, `false` would do nothing)
+    ("progress = false", "run.toml: unknown key 'progress'; did you mean 'no-progress'?"),
     ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
     ("hidden = []", "run.toml: hidden = []: expected at least one value"),
     ("epochs = ", "run.toml: not valid TOML"),

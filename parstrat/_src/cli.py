@@ -358,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     "a longer compilation (--no-unroll: the loop, over a config file's unroll = true)",
   )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  train.add_argument(
+    "--progress",
+    action="store_false",
+    dest="no_progress",
+    default=argparse.SUPPRESS,  # (the default is --no-progress's)
+    help="show the progress bar (over a config file's no-progress = true)",
+  )
   train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
   train.add_argument(
     "--log-every",
@@ -376,22 +383,28 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
   train.add_argument("--keep", type=_positive, default=None, help="checkpoints to keep (default 3)")
   train.add_argument(
-    "--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir"
+    "--resume",
+    action=argparse.BooleanOptionalAction,
+    default=False,
+    help="continue from the newest checkpoint in --checkpoint-dir",
   )
   train.add_argument(
     "--overwrite",
-    action="store_true",
+    action=argparse.BooleanOptionalAction,
+    default=False,
     help="start afresh in a --checkpoint-dir that is not empty (its checkpoints are deleted) "
     "or an --out that holds another run (its metrics and event files are replaced)",
   )
   train.add_argument(
     "--allow-config-change",
-    action="store_true",
+    action=argparse.BooleanOptionalAction,
+    default=False,
     help="--resume with another --lr, optimizer or --precision than the checkpoint's",
   )
   train.add_argument(
     "--fresh-optimizer",
-    action="store_true",
+    action=argparse.BooleanOptionalAction,
+    default=False,
     help="with --resume: restore the params, step and data position but start the optimizer "
     "state anew (optimizer.init of the restored params), to go on with another --optimizer "
     "or with clipping or weight decay switched on or off; its learning-rate schedule starts "
@@ -399,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument(
     "--stop-on-nonfinite",
-    action="store_true",
+    action=argparse.BooleanOptionalAction,
+    default=False,
     help="stop at a NaN/inf loss or gradient (default: skip that update and count it)",
   )
   train.add_argument(
