@@ -242,6 +242,8 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
     # (`--progress` undoes a file's no-progress; as a key, `false` would do nothing)
     ("progress = false", "run.toml: unknown key 'progress'; did you mean 'no-progress'?"),
+    # (nor a `--no-` form: `no-resume = false` would do nothing; the file writes resume = false)
+    ("no-resume = true", "run.toml: unknown key 'no-resume'; did you mean 'resume'?"),
     ("epochs = [1, 2]", "run.toml: epochs = [1, 2]: expected one value, got a list"),
     ("hidden = []", "run.toml: hidden = []: expected at least one value"),
     ("epochs = ", "run.toml: not valid TOML"),

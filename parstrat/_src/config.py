@@ -104,7 +104,14 @@ def config_to_argv(
     ['--batch-size', '64']
   """
   options = _long_options(parser)
-  valid = sorted(k for k in options if k not in NOT_IN_CONFIG)
+  # A `--no-x` of an on/off flag is the command line's way to undo a file's `x = true`;
+  # as a key of its own, `no-x = false` would do nothing: the file writes `x = false`.
+  negated = {
+    k
+    for k, a in options.items()
+    if isinstance(a, argparse.BooleanOptionalAction) and k[:3] == "no-"
+  }
+  valid = sorted(k for k in options if k not in NOT_IN_CONFIG and k not in negated)
   argv: list[str] = []
   for key, value in config.items():
     name = key.replace("_", "-")
