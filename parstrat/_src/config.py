@@ -19,10 +19,9 @@ import tomllib
 from collections.abc import Sequence
 from typing import Any
 
-#: Flags that make no sense inside a config file.
-#: Flags that are not config keys. `progress` only undoes a file's `no-progress = true`
-#: from the command line: as a key, `progress = false` would read as "hide it" and
-#: do nothing.
+#: Flags that are not config keys: those that make no sense inside a config file,
+#: and `progress`, which only undoes a file's `no-progress = true` from the command
+#: line (as a key, `progress = false` would read as "hide it" and do nothing).
 NOT_IN_CONFIG = ("config", "help", "progress")
 
 
