@@ -21,22 +21,29 @@ hand-written references' are), so no row pays a host-to-device copy.
 
 Times are medians of repeated steps after a warm-up; ratios compare programs
 measured in the same run, which is all that virtual CPU devices (all sharing
-this machine's cores) can honestly support.
+this machine's cores) can honestly support. Each row also records its page
+faults per step: the process asks glibc to keep freed memory (no `mmap` for
+large blocks, no trimming below 1 GiB; `--allocator default` leaves glibc as it is), since
+otherwise a program with a large temporary buffer may have it unmapped after
+each step and fault it back in, page by page (on 2 cores the hand-written GPipe
+loop's 31.5 MiB took 8,000-16,000 faults a step, the other rows next to none).
 
 Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--passes 3] [--batch 1024] [--quick]
-[--json benchmarks/results.json]
+[--allocator steady|default] [--json benchmarks/results.json]
 (also writes the charts beside the JSON: results_strategies.png, results_scaling_bubble.png)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import glob
 import gzip
 import json
 import os
 import platform
+import resource
 import tempfile
 import time
 
@@ -58,10 +65,40 @@ def _parse() -> argparse.Namespace:
   parser.add_argument(
     "--quick", action="store_true", help="only the strategy and memory tables (no charts)"
   )
+  parser.add_argument(
+    "--allocator",
+    choices=("steady", "default"),
+    default="steady",
+    help="steady: glibc keeps freed memory for the next step (see above); default: as it comes",
+  )
   return parser.parse_args()
 
 
+#: glibc's `mallopt` parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+
+def steady_allocator() -> str:
+  """Asks glibc to serve every block from its heap and keep what is freed; says what it did.
+
+  A temporary buffer larger than glibc's mmap threshold (dynamic, at most
+  32 MiB) gets its own `mmap` and is unmapped when freed, so the next step
+  faults it back in page by page; whether glibc maps a block of a given size
+  depends on what was freed before (its threshold moves). Every row runs under
+  the same setting, made before any JAX allocation.
+  """
+  if ARGS.allocator == "default":
+    return "default"
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+  except OSError:
+    return "default (no glibc)"
+  done = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1
+  return "glibc, no mmap, trim above 1 GiB" if done else "default (mallopt refused)"
+
+
 ARGS = _parse()
+ALLOCATOR = steady_allocator()
 parstrat.testing.use_cpu_devices(ARGS.devices)
 
 import jax  # noqa: E402
@@ -84,7 +121,7 @@ LR = 1e-3
 
 
 def timed(step, state, batches, repeats):
-  """Median and spread (IQR) of `repeats` steps after two warm-up steps; plus compile time."""
+  """Median and spread (IQR) of `repeats` steps after two warm-up steps; compile time; faults."""
   start = time.perf_counter()
   state = step(state, batches[0])
   jax.block_until_ready(state)
@@ -92,13 +129,20 @@ def timed(step, state, batches, repeats):
   state = step(state, batches[1])
   jax.block_until_ready(state)
   times = []
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   for i in range(repeats):
     start = time.perf_counter()
     state = step(state, batches[i % len(batches)])
     jax.block_until_ready(state)
     times.append(time.perf_counter() - start)
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
   q = np.percentile(times, [25, 50, 75])
-  row = {"median_s": float(q[1]), "iqr_s": float(q[2] - q[0]), "first_step_s": compile_s}
+  row = {
+    "median_s": float(q[1]),
+    "iqr_s": float(q[2] - q[0]),
+    "first_step_s": compile_s,
+    "page_faults_per_step": faults / repeats,
+  }
   return row, state
 
 
@@ -386,12 +430,14 @@ def run_strategies(results, repeats):
   # one, or always first: the order the rows were built in stays the first pass's.
   for row in rows.values():
     row["pass_medians_s"] = [row["median_s"]]
+    row["pass_page_faults_per_step"] = [row.pop("page_faults_per_step")]
   names = list(timers)
   for index in range(1, ARGS.passes):
     for name in np.random.default_rng(index).permutation(names):
       timer = timers[name]
       more, timer[1] = timed(*timer, repeats)
       rows[name]["pass_medians_s"].append(more["median_s"])
+      rows[name]["pass_page_faults_per_step"].append(more["page_faults_per_step"])
   for row in rows.values():
     row["median_s"] = float(np.median(row["pass_medians_s"]))
     row["examples_per_s"] = BATCH / row["median_s"]
@@ -538,6 +584,7 @@ def main():
     "machine": f"{platform.machine()}, {jax.device_count()} virtual {jax.devices()[0].platform} "
     f"devices on {os.cpu_count()} cores, jax {jax.__version__}",
     "repeats": ARGS.repeats,
+    "allocator": ALLOCATOR,
   }
   run_memory(results)
   run_strategies(results, ARGS.repeats)
@@ -545,11 +592,12 @@ def main():
     run_scaling(results, ARGS.repeats)
     run_bubble(results, ARGS.repeats)
   block = results["strategies"]
-  print(f"machine: {results['machine']}")
+  print(f"machine: {results['machine']}, allocator: {results['allocator']}")
   print(f"model: {block['model']}, global batch {block['global_batch']}")
   header = (
     f"{'':34} {'median ms':>9} {'IQR ms':>7} {'ex/s':>7} {'compile s':>9} {'1st step s':>10} "
-    f"{'params+opt MiB':>14} {'temp MiB':>8} {'bubble: table (theory) lock-step trace':>38}"
+    f"{'params+opt MiB':>14} {'temp MiB':>8} {'faults/step':>11} "
+    f"{'bubble: table (theory) lock-step trace':>38}"
   )
   print(header)
   for name, row in block["rows"].items():
@@ -565,7 +613,8 @@ def main():
       f"{row['examples_per_s']:7,.0f} {row.get('compile_s', float('nan')):9.2f} "
       f"{row['first_step_s']:10.2f} "
       f"{row['param_opt_bytes_per_device'] / 2**20:14.2f} "
-      f"{row.get('temp_bytes', 0) / 2**20:8.2f} {bubble:>38}"
+      f"{row.get('temp_bytes', 0) / 2**20:8.2f} "
+      f"{max(row['pass_page_faults_per_step']):11,.0f} {bubble:>38}"
     )
   print(
     f"\nstep time ratios (same run, median over {block['passes']} passes; "
