@@ -1361,8 +1361,10 @@ class Trainer:
     mesh_devices = set(self.mesh.devices.flat)
 
     def reachable(x):  # arrays on other devices (another trainer's mesh) go via the host
-      if isinstance(x, jax.Array) and x.is_fully_addressable:
-        if not x.sharding.device_set <= mesh_devices:
+      # (`jit` takes committed arguments on its own devices only: on a subset of
+      # them, say 2 of a 4-device mesh, it refuses them too)
+      if isinstance(x, jax.Array) and x.is_fully_addressable and x.committed:
+        if x.sharding.device_set != mesh_devices:
           return np.asarray(x)
       return x
 
