@@ -249,11 +249,16 @@ def test_layouts_without_keys_refuse_dropout_at_init(name):
 
 # ------------------------------------------------------------------ model state
 def _running_mean(x):
-  """State that is affine in the batch mean (so averaging over replicas is exact)."""
+  """State that is affine in the batch mean (so averaging over replicas is exact).
+
+  With an int32 counter and a bool flag, which keep their dtypes.
+  """
   mean = hk.get_state("mean", [x.shape[-1]], init=jnp.zeros)
   count = hk.get_state("count", [], jnp.int32, init=jnp.zeros)
+  seen = hk.get_state("seen", [], jnp.bool_, init=jnp.zeros)
   hk.set_state("mean", 0.9 * mean + 0.1 * jnp.mean(x, axis=0))
   hk.set_state("count", count + 1)
+  hk.set_state("seen", seen | (count >= 0))
   h = jax.nn.relu(hk.Linear(16)(x - mean))
   return hk.Linear(CLASSES)(h)
 

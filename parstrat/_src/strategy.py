@@ -1407,8 +1407,9 @@ def accumulate_gradients(
       microstep).
 
   Returns:
-    Every leaf of `loss_and_grad`'s result averaged over the k microsteps
-    (integer leaves: the floor of the mean): the whole batch's mean loss and
+    Every leaf of `loss_and_grad`'s result averaged over the k microsteps, in
+    its own dtype (integer leaves: the floor of the mean; bool leaves: True
+    where every microstep's is): the whole batch's mean loss and
     its gradient when every microstep has the same size.
 
   Example:
@@ -1431,24 +1432,36 @@ def accumulate_gradients(
     return first
 
   def body(j, total):  # reads microstep j in place: no copy of the batch
-    return jax.tree.map(jnp.add, total, loss_and_grad(params, *microstep(j)))
+    return jax.tree.map(jnp.add, total, _summable(loss_and_grad(params, *microstep(j))))
 
-  total = jax.lax.fori_loop(1, k, body, first)
-  return jax.tree.map(lambda x: _mean_of_sum(x, k), total)
+  total = jax.lax.fori_loop(1, k, body, _summable(first))
+  return jax.tree.map(lambda x, like: _mean_of_sum(x, k, like.dtype), total, first)
 
 
-def _mean_of_sum(total: jax.Array, count: int) -> jax.Array:
+def _summable(tree: Any) -> Any:
+  """Bool leaves as int32, so that adding two counts them (`jnp.add` of bools is `or`)."""
+  return jax.tree.map(lambda x: x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, tree)
+
+
+def _mean_of_sum(total: jax.Array, count: int, dtype) -> jax.Array:
+  """`total / count` in `dtype`: for integers the floor, for bools whether all were True."""
   if jnp.issubdtype(total.dtype, jnp.inexact):
-    return total / count
-  return total // count
+    return (total / count).astype(dtype)
+  return (total // count).astype(dtype)
 
 
 def _mean_over(tree: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
-  """Inside the map: the mean over mesh `axes` of every leaf (integers: floor of the mean)."""
+  """Inside the map: the mean over mesh `axes` of every leaf, in the leaf's dtype.
+
+  Integers get the floor of the mean, and bools (summed as int32 by `psum`) that
+  floor cast back: True where every device's is.
+  """
   if not axes:
     return tree
   count = int(np.prod([mesh.shape[a] for a in axes]))
-  return jax.tree.map(lambda x: _mean_of_sum(jax.lax.psum(x, axes), count), tree)
+  return jax.tree.map(
+    lambda x: _mean_of_sum(jax.lax.psum(_summable(x), axes), count, x.dtype), tree
+  )
 
 
 def _training_key_data(rng: jax.Array) -> jax.Array:
