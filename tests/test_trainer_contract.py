@@ -172,6 +172,35 @@ def test_models_with_several_outputs_match_jit(name):
   )  # fmt: skip
 
 
+def _with_aux_outputs(x):
+  """Logits, a scalar (an auxiliary loss) and a time-major [T, B, C] output."""
+  h = jax.nn.relu(hk.Linear(16)(x))
+  logits = hk.Linear(CLASSES)(h)
+  return logits, jnp.mean(h**2), jnp.stack([logits, 2 * logits])
+
+
+WITH_AUX = hk.transform(_with_aux_outputs)
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
+def test_apply_returns_outputs_without_a_batch_axis_or_names_them(name):
+  # The whole-batch strategies return them as the model does; data_parallel joins
+  # per-device outputs along their first axis, so it names the first that has none.
+  trainer = STRATEGIES[name](WITH_AUX, optax.sgd(0.1), loss_fn=lambda out, y: out[1])
+  x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+  state = trainer.init(jax.random.key(0), x[:1])
+  if name == "data_parallel":
+    with pytest.raises(
+      ValueError, match=r"output\[1\] has shape \(\), not a leading batch axis of 16"
+    ):
+      trainer.apply(state, x)
+    return
+  got = trainer.apply(state, x)
+  want = WITH_AUX.apply(jax.device_get(trainer.params(state)), None, x)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+  assert got[0].sharding.spec == trainer.plan.batch_spec  # (the logits split like the rows)
+
+
 @pytest.mark.parametrize("name", ["pipeline", "hybrid"])
 def test_pipelines_refuse_several_outputs_clearly(name):
   trainer = STRATEGIES[name](TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss)

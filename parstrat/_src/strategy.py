@@ -1177,7 +1177,20 @@ class Trainer:
       return plan.forward(params, inputs, key, model_state)
 
     if not plan.manual:
-      return jax.jit(forward, out_shardings=self._batch_sharding())
+      batch, whole = self._batch_sharding(), self._replicated
+
+      def split_like_the_inputs(params, model_state, key, inputs):
+        rows = _batch_size("inputs", inputs)
+        # Outputs whose first axis is the batch are split like it; others (a
+        # scalar, a time-major [T, B, ...]) come back whole.
+        return jax.tree.map(
+          lambda y: jax.lax.with_sharding_constraint(
+            y, batch if y.ndim and y.shape[0] == rows else whole
+          ),
+          forward(params, model_state, key, inputs),
+        )
+
+      return jax.jit(split_like_the_inputs)
 
     def per_device(params, model_state, key, inputs):
       return forward(params, model_state, self._device_key(key), inputs)
@@ -1207,11 +1220,15 @@ class Trainer:
       rng: a PRNG key for models that draw randomness (ignored otherwise).
 
     Returns:
-      The outputs (any pytree of `[B, ...]` arrays), split over the mesh like
-      the inputs.
+      The outputs (any pytree), those with the batch as their first axis split
+      over the mesh like the inputs. Where `apply` runs on the whole batch
+      (`fsdp`, `tensor`), others (a scalar, a time-major
+      `[T, B, ...]`) come back whole.
 
     Raises:
       TypeError, ValueError: for inputs unlike the sample, or a missing `rng`.
+      ValueError: where `apply` runs per device (`data_parallel`), for an output
+        without the batch as its first axis, naming it.
     """
     self.plan  # noqa: B018 - raises a clear error before init
     self._check_state(state, "apply")
@@ -1227,6 +1244,8 @@ class Trainer:
       if not _is_prng_key(rng):
         raise TypeError(f"rng must be a JAX PRNG key, got {type(rng).__name__} {rng!r}.")
       key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+    if self.plan.manual:
+      self._check_outputs_split(inputs)
     inputs = jax.device_put(inputs, self._batch_sharding())
     args = (state.params, state.model_state, key, inputs)
     self._check_branches(self._compiled_apply, args, "forward pass")
@@ -1278,6 +1297,43 @@ class Trainer:
       _abstract(inputs),
     )
     return int(outputs.shape[-1])
+
+  @functools.cached_property
+  def _outputs_split(self) -> set:
+    """The input shapes whose outputs `_check_outputs_split` has passed."""
+    return set()
+
+  def _check_outputs_split(self, inputs: Any) -> None:
+    """Refuses, naming it, an output that a per-device `apply` could not put together.
+
+    Each device computes the outputs of its own rows, and they are joined along
+    the first axis: that axis must be the batch's, in every output.
+
+    Raises:
+      ValueError: naming the first output leaf that has no leading batch axis.
+    """
+    rows = _batch_size("inputs", inputs)
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(inputs))
+    if shapes in self._outputs_split:  # (traced once per input shapes)
+      return
+    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
+    outputs, _ = jax.eval_shape(
+      lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
+      params,
+      self._abstract_state.model_state,
+      _abstract(inputs),
+    )
+    for path, y in jax.tree_util.tree_leaves_with_path(outputs):
+      if not y.shape or y.shape[0] != rows:
+        raise ValueError(
+          f"apply: {self.strategy!r} computes the outputs per device, each of its own "
+          f"rows, and joins them along the first axis, but output"
+          f"{jax.tree_util.keystr(path)} has shape {tuple(y.shape)}, not a leading batch "
+          f"axis of {rows}. Use model.apply(trainer.params(state), ...) for such outputs "
+          "(a scalar, a time-major [T, B, ...]), or a strategy whose apply runs on the "
+          "whole batch (fsdp, tensor)."
+        )
+    self._outputs_split.add(shapes)
 
   def _check_label_range(self, inputs: jax.Array, labels: jax.Array) -> None:
     """For `debug=True`: class ids outside [0, C) raise before the step runs."""
