@@ -92,6 +92,10 @@ def test_cost_model_terms_follow_the_documented_formulas(measured):
   )
   matmuls = 2 * (FEATURES * 256 + 256 * 256 * 2 + 256 * 10)
   assert stats.dot_flops_per_example == matmuls
+  # Each of the 3 layer boundaries passes 256 features on; the pipeline sends them on
+  # and their gradient back, once per example.
+  assert stats.boundary_widths == (256, 256, 256)
+  assert pipe.comm_bytes == pytest.approx(2 * BATCH * 256 * 4)
   elementwise = 1 - matmuls / stats.flops_per_example
   dots = c["pipeline activations=dots_saveable [stage=4]"]
   assert dots.compute_s == pytest.approx(dp.compute_s * 7 / 4 * (1 + elementwise / 3))
