@@ -85,6 +85,28 @@ def test_balance_by_flops_and_manual_cuts():
   assert manual.stage_layers == ((0,), tuple(range(1, 7)), (7,))
 
 
+def test_time_major_activations_are_not_cut():
+  # Layers a and b run time-major ([T, B, C], as `hk.static_unroll` wants) before a mean
+  # over time: the boundary between them carries no batch-leading value, so the cut
+  # goes after b, and cutting between them is refused, naming the shape.
+  def net(x):  # x: [B, T=4, 64]
+    x = jnp.swapaxes(x, 0, 1)
+    x = jax.nn.relu(hk.Linear(16, name="a")(x))
+    x = jax.nn.relu(hk.Linear(16, name="b")(x)).mean(0)
+    x = jax.nn.relu(hk.Linear(16, name="c")(x))
+    return hk.Linear(10, name="d")(x)
+
+  model = hk.transform(net)
+  x = jax.ShapeDtypeStruct((1, 4, 64), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  plan = pipeline.plan_stages(_apply(model), params, x, 2)
+  assert plan.stage_layers == ((0, 1), (2, 3))
+  with pytest.raises(ValueError, match=r"'a' and 'b' the one activation .* shape \(4, 1, 16\), "):
+    pipeline.plan_stages(_apply(model), params, x, 2, cuts=(1,))
+  with pytest.raises(ValueError, match=r"only 2 of its 3 layer boundaries are cuttable"):
+    pipeline.plan_stages(_apply(model), params, x, 4)
+
+
 def test_stage_boundary_markers():
   def net(x):
     x = jax.nn.swish(hk.Linear(64)(x))

@@ -416,9 +416,21 @@ def _boundary_cut(
     if again != [a]:  # an earlier layer comes back: a shared or tied weight
       return None, _tied_reason(again, [b]), tuple(again)
     return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})", ()
-  for c in range(after, before, -1):
-    if len(analysis.live[c]) == 1:
+  # (a stage boundary carries one batch-leading value: [B, ...], not a time-major [T, B, ...])
+  batch = trace.input_vars[0].aval.shape[0] if trace.input_vars[0].aval.shape else None
+  single = [c for c in range(after, before, -1) if len(analysis.live[c]) == 1]
+  for c in single:
+    shape = analysis.live[c][0].aval.shape
+    if shape and shape[0] == batch:
       return c, "", ()
+  if single:
+    shape = analysis.live[single[0]][0].aval.shape
+    return (
+      None,
+      f"between layers {a!r} and {b!r} the one activation that crosses has shape "
+      f"{tuple(shape)}, without the batch ({batch}) as its leading axis (e.g. time-major)",
+      (),
+    )
   fewest = min(range(before + 1, after + 1), key=lambda c: len(analysis.live[c]))
   values = ", ".join(v.aval.str_short() for v in analysis.live[fewest])
   return (
