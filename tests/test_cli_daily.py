@@ -446,7 +446,11 @@ def _user_run(tmp_path, monkeypatch, *flags) -> int:
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
   # The evaluation called trainer.apply without rng: a dropout model crashed at epoch end.
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_model",
-                   "--dataset", "mymodel:data", "--out", "run") == 0  # fmt: skip
+                   "--dataset", "mymodel:data", "--out", "run", "--hidden", "8") == 0  # fmt: skip
+  # (--hidden shapes only the built-in MLP: the run says it left it out)
+  assert "--hidden 8: not used, the model is --model-fn mymodel:dropout_model" in (
+    capsys.readouterr().out.splitlines()
+  )
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert 0.0 <= [r for r in rows if "eval_accuracy" in r][0]["eval_accuracy"] <= 1.0
 

@@ -274,7 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     f"{DEFAULT_DEVICES} virtual CPU devices, and --devices N makes N)",
   )
   train.add_argument(
-    "--hidden", type=_positive, nargs="+", default=[512], help="hidden widths of the built-in MLP"
+    "--hidden",
+    type=_positive,
+    nargs="+",
+    default=None,
+    help="hidden widths of the built-in MLP (default: 512; not used with --model-fn)",
   )
   train.add_argument(
     "--source",
@@ -776,6 +780,10 @@ def _devices_hint(e, devices) -> str:
   return f"{e.base} Pass --devices {e.needed} (on CPU, that many virtual devices are made)."
 
 
+#: The built-in MLP's hidden widths when `--hidden` is not given.
+DEFAULT_HIDDEN = [512]
+
+
 def _default_model(hidden: list[int], classes: int):
   import haiku as hk
   import jax
@@ -866,9 +874,13 @@ def train(args: argparse.Namespace) -> dict:
       log=say,
     )
     if args.model_fn is None:
-      model, model_options = _default_model(args.hidden, data.num_classes or 10), {}
+      hidden = args.hidden or DEFAULT_HIDDEN
+      model, model_options = _default_model(hidden, data.num_classes or 10), {}
     else:
       model, model_options = config.load_model(args.model_fn, seed=args.seed)
+      if args.hidden is not None:
+        widths = " ".join(map(str, args.hidden))
+        say(f"--hidden {widths}: not used, the model is --model-fn {args.model_fn}")
   except ValueError as e:  # ConfigError is a ValueError
     raise UsageError(str(e)) from None
   say(f"data: {data.description}")
