@@ -67,6 +67,11 @@ def two_shapes(batch_size, seed):  # a whole batch, then half a batch
   return train[2:], evaluation
 
 
+def by_epoch(batch_size, seed):  # a function of the epoch: its length is unknown
+  train, evaluation = data(batch_size, seed)
+  return (lambda epoch: [train[(i + epoch) % len(train)] for i in range(len(train))]), evaluation
+
+
 def nan_second(batch_size, seed):  # the second batch's inputs are NaN: its update is skipped
   train, evaluation = data(batch_size, seed)
   train[1] = (np.full_like(train[1][0], np.nan), train[1][1])
@@ -441,6 +446,25 @@ def _user_run(tmp_path, monkeypatch, *flags) -> int:
   monkeypatch.chdir(tmp_path)
   return cli.main(["train", "--epochs", "1", "--steps", "2", "--batch-size", "8",
                    "--no-progress", "--devices", "2", *flags])  # fmt: skip
+
+
+def test_a_resume_at_the_end_of_an_epoch_of_unknown_length_goes_on(tmp_path, monkeypatch):
+  # Data given as a function of the epoch has no length: a checkpoint of an epoch's
+  # last batch said (epoch 1, batch 8), and the resume found no batches left and
+  # stopped, every time. It now goes on with epoch 2, as the run without a stop did.
+  def losses(out):
+    rows = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, rows) if "loss" in r and "step" in r}
+
+  flags = ["--dataset", "mymodel:by_epoch", "--model-fn", "mymodel:model", "--epochs", "2",
+           "--log-every", "1"]  # fmt: skip
+  assert _user_run(tmp_path, monkeypatch, *flags, "--steps", "16", "--out", "straight") == 0
+  legs = [*flags, "--out", "legs", "--checkpoint-dir", "ckpt"]
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "8") == 0
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "16", "--resume") == 0
+  straight, resumed = losses("straight"), losses("legs")
+  assert sorted(resumed) == list(range(1, 17))
+  assert resumed == pytest.approx(straight, rel=1e-6)
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

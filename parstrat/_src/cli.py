@@ -1202,6 +1202,11 @@ def _train_one(
           break
       if stop.signum is not None:
         break
+      if step == epoch_start_step and epoch == first_epoch and skip_batches:
+        # Resumed from a checkpoint of the epoch's last batch, in data of no known
+        # length (a function of the epoch): that epoch was done; the next one starts.
+        say(f"epoch {epoch + 1} ended at batch {skip_batches}, where the checkpoint was taken")
+        continue
       if step == epoch_start_step:  # e.g. a generator, exhausted by the previous epoch
         say(f"epoch {epoch + 1}: the train data had no batches left; stopping")
         break
