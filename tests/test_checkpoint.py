@@ -134,6 +134,23 @@ def test_a_checkpoint_moves_between_strategies_and_device_counts(tmp_path):
     np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=repr(strategy))
 
 
+def test_meta_that_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+  # A NumPy int in meta failed inside orbax, after it had started writing: the
+  # temporary folder it left made the next save fail.
+  images, labels = parstrat.testing.random_batches(1, 16, features=20)
+  trainer = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    with pytest.raises(TypeError, match=r"meta\['data'\]\['epoch'\] is a numpy.int64 \(np"):
+      ckpt.save(trainer, state, {"data": {"epoch": np.int64(0)}}, force=True)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == []
+    assert ckpt.save(trainer, state, {"data": {"epoch": 0}}, force=True)
+    assert ckpt.restore(trainer)[1] == {"data": {"epoch": 0}}
+  (tmp_path / "file").write_text("")
+  with pytest.raises(ValueError, match=r"Checkpointer: .*file is a file, not a directory"):
+    Checkpointer(tmp_path / "file")
+
+
 def test_keeps_the_last_n(tmp_path):
   images, _ = parstrat.testing.random_batches(1, 8, features=20)
   trainer = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1))

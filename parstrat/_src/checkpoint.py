@@ -51,6 +51,29 @@ class OptimizerDoesNotFit(_DoesNotFit):
   """
 
 
+def _check_json(name: str, value: Any) -> None:
+  """Refuses, naming it, the first part of `value` that JSON cannot hold as it is.
+
+  Raises:
+    TypeError: for a key that is not a string, or a value that is not a str, int,
+      float, bool, None, list, tuple or dict of those (a NumPy scalar, say).
+  """
+  if isinstance(value, dict):
+    for key, item in value.items():
+      if not isinstance(key, str):
+        raise TypeError(f"{name} has the key {key!r}: JSON keys must be strings.")
+      _check_json(f"{name}[{key!r}]", item)
+  elif isinstance(value, list | tuple):
+    for i, item in enumerate(value):
+      _check_json(f"{name}[{i}]", item)
+  elif value is not None and not isinstance(value, str | int | float | bool):
+    raise TypeError(
+      f"{name} is a {type(value).__module__}.{type(value).__qualname__} ({value!r}), which "
+      "a checkpoint's JSON cannot hold: pass a str, int, float, bool, None, list or dict "
+      "(e.g. int(x) or x.tolist() for a NumPy value)."
+    )
+
+
 class Checkpointer:
   """Saves and restores training state every `save_every` steps, keeping the last `keep`.
 
@@ -93,6 +116,8 @@ class Checkpointer:
     if save_every < 1 or keep < 1:
       raise ValueError(f"save_every and keep must be >= 1, got {save_every} and {keep}.")
     self.directory = pathlib.Path(directory).absolute()
+    if self.directory.exists() and not self.directory.is_dir():
+      raise ValueError(f"Checkpointer: {self.directory} is a file, not a directory.")
     self.save_every = save_every
     self._manager = ocp.CheckpointManager(
       self.directory,
@@ -139,7 +164,8 @@ class Checkpointer:
     Args:
       trainer: the trainer `state` belongs to.
       state: the state to save.
-      meta: JSON-able extras, e.g. the data position.
+      meta: JSON-able extras, e.g. the data position (checked before anything
+        is written).
       step: the checkpoint's number (default: `state.step`, the updates applied).
       force: save even if `step` is not a multiple of `save_every`.
 
@@ -150,7 +176,11 @@ class Checkpointer:
 
     Returns:
       Whether a checkpoint was written.
+
+    Raises:
+      TypeError: for a part of `meta` that JSON cannot hold, naming it.
     """
+    _check_json("meta", meta)
     step = int(state.step) if step is None else int(step)
     if not force and step % self.save_every:
       return False
