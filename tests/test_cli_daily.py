@@ -5,11 +5,13 @@ import json
 import pathlib
 import shutil
 import struct
+import sys
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+import parstrat
 from parstrat._src import cli
 from parstrat._src import config
 from parstrat._src import optimizers
@@ -465,6 +467,34 @@ def test_a_resume_at_the_end_of_an_epoch_of_unknown_length_goes_on(tmp_path, mon
   straight, resumed = losses("straight"), losses("legs")
   assert sorted(resumed) == list(range(1, 17))
   assert resumed == pytest.approx(straight, rel=1e-6)
+
+
+STRATEGY_FILE = """
+import parstrat
+
+
+@parstrat.register("my_data_parallel")
+class MyDataParallel(parstrat.DataParallel):
+  pass
+"""
+
+
+def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypatch, capsys):
+  # --import runs the module that registers it before the strategy is looked up; without
+  # it the unknown name says what to pass.
+  (tmp_path / "mystrategies.py").write_text(STRATEGY_FILE)
+  try:
+    assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                     "mymodel:data", "--strategy", "my_data_parallel") == 2  # fmt: skip
+    assert "pass --import MODULE" in capsys.readouterr().err
+    assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                     "mymodel:data", "--strategy", "my_data_parallel",
+                     "--import", "mystrategies") == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "mesh: data=2 (MyDataParallel(devices=<2 devices>))" in out.splitlines(), out
+  finally:
+    parstrat.unregister("my_data_parallel")
+    sys.modules.pop("mystrategies", None)
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

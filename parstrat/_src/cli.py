@@ -222,6 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--config", default=None, help="TOML file of flags (batch-size = 128, ...)")
   train.add_argument("--strategy", default="data_parallel", help="a registered strategy name")
   train.add_argument(
+    "--import",
+    dest="imports",
+    metavar="MODULE",
+    nargs="+",
+    action="extend",
+    default=None,
+    help="import these first ('package.module' or 'path/file.py'), e.g. a module that "
+    "registers your own strategy with @parstrat.register",
+  )
+  train.add_argument(
     "--model-fn",
     default=None,
     help="your model: 'package.module:function' or 'path/file.py:function' returning an "
@@ -831,6 +841,11 @@ def train(args: argparse.Namespace) -> dict:
         f"available" + ("" if _on_cpu(devices) else f"; {_cpu_hint(args.devices)}")
       )
     devices = devices[: args.devices]
+  for target in args.imports or ():  # (a strategy of your own registers on import)
+    try:
+      config.import_module(target, "--import")
+    except ValueError as e:  # ConfigError is a ValueError
+      raise UsageError(str(e)) from None
   names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
   strategies = {}
   for name in names:
@@ -844,8 +859,12 @@ def train(args: argparse.Namespace) -> dict:
       if not strategies[name].deferred:  # fail on an impossible mesh before loading data
         strategies[name].make_mesh()
     except KeyError as e:  # (with --compare the names come from the command line)
+      message = (
+        f"{e.args[0]} A strategy of your own is registered when its module is imported: "
+        "pass --import MODULE."
+      )
       raise (
-        UsageError(e.args[0]) if args.compare else _bad_option(args, "strategy", e.args[0])
+        UsageError(message) if args.compare else _bad_option(args, "strategy", message)
       ) from None
     except TooFewDevicesError as e:
       raise UsageError(_devices_hint(e, devices)) from None

@@ -187,6 +187,20 @@ def _import(target: str, flag: str, spec: str):
       sys.path.remove(cwd)
 
 
+def import_module(target: str, flag: str) -> Any:
+  """Imports `package.module` (the current directory on the path) or `path/to/file.py`.
+
+  Raises:
+    ConfigError: naming what is missing, or why importing it failed.
+  """
+  try:
+    return _import(target, flag, target)
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
+    raise ConfigError(f"{flag} {target!r}: importing it failed: {type(e).__name__}: {e}") from e
+
+
 def load_object(spec: str, flag: str) -> Any:
   """Loads `package.module:name` or `path/to/file.py:name` (dots in `name` go deeper).
 
