@@ -11,23 +11,24 @@ params are stored and sharded, how the batch is split, and how one device
 computes its loss and averaged gradients. parstrat does the rest.
 
 Run: python examples/custom_strategy.py
+Or from the command line, in this folder:
+  parstrat train --import custom_strategy --strategy two_level_data_parallel
+(importing the module registers the strategy and starts nothing: the devices are
+made in `__main__` below, or by whoever imports it).
 """
 
 import dataclasses
 
+import haiku as hk
+import jax
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import parstrat
 import parstrat.testing
-
-parstrat.testing.use_cpu_devices(8)  # before anything starts JAX's backend
-
-import haiku as hk  # noqa: E402
-import jax  # noqa: E402
-import optax  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import parstrat  # noqa: E402
-from parstrat.datasets import batches  # noqa: E402
-from parstrat.datasets import load_mnist  # noqa: E402
+from parstrat.datasets import batches
+from parstrat.datasets import load_mnist
 
 AXES = ("host", "local")
 
@@ -94,4 +95,5 @@ def main(epochs: int = 1, batch_size: int = 256) -> float:
 
 
 if __name__ == "__main__":
+  parstrat.testing.use_cpu_devices(8)  # before anything starts JAX's backend
   main()
