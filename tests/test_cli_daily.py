@@ -173,6 +173,22 @@ out = "{run}"
   assert epoch_loss[15] < epoch_loss[8]  # it learns
 
 
+def test_a_resume_on_other_data_under_the_same_name_is_refused(tmp_path, capsys):
+  # `--dataset` names the data, and `--source auto` may resolve one name to other data
+  # (tfds, or the bundled sample offline): a resume checks what it loaded too.
+  args = ["train", "--dataset", "fashion_mnist", "--hidden", "16", "--batch-size", "12",
+          "--steps", "2", "--no-progress", "--devices", "2", "--out", str(tmp_path / "run"),
+          "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+  with tfds.testing.mock_data(num_examples=48):
+    assert cli.main(args) == 0
+  capsys.readouterr()
+  with tfds.testing.mock_data(num_examples=36):
+    assert cli.main([*args, "--steps", "4", "--resume"]) == 2
+  err = " ".join(capsys.readouterr().err.split())
+  assert ("data tfds fashion_mnist: 48 train, 48 eval -> tfds fashion_mnist: 36 train, 36 "
+          "eval") in err, err  # fmt: skip
+
+
 def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):
   args = ["train", "--compare", "data_parallel,tensor", "--data", "2", "--tensor-parallel", "3",
           "--dataset", "fashion_mnist", "--hidden", "16", "--batch-size", "12", "--epochs", "1",

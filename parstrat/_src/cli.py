@@ -668,12 +668,14 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
-          "dataset": args.dataset, "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
+          "dataset": args.dataset, "data": data.description,
+          "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
 
 
-#: Changes to these need --allow-config-change on --resume.
+#: Changes to these need --allow-config-change on --resume. ("data" is what `dataset`
+#: turned out to be: `--source auto` reads MNIST from tfds, or the bundled sample offline.)
 GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "weight_decay",
-           "clip_norm", "precision", "dataset")  # fmt: skip
+           "clip_norm", "precision", "dataset", "data")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
