@@ -52,6 +52,15 @@ def test_register_rejects_non_strategies_and_bad_names():
     parstrat.register("nope")(int)
   with pytest.raises(ValueError, match="non-empty string"):
     parstrat.register("")
+
+  class Unfinished(parstrat.Strategy):  # no make_plan
+    def make_mesh(self):
+      return parstrat.build_mesh({"data": None})
+
+  with pytest.raises(
+    TypeError, match=r"register\('nope'\): .*Unfinished does not implement make_plan"
+  ):
+    parstrat.register("nope")(Unfinished)
   assert "nope" not in parstrat.available()
 
 

@@ -369,6 +369,12 @@ def test_csv_import_names_the_problem(text, message):
     pipeline.from_csv(text, retime=True)
 
 
+@pytest.mark.parametrize("k", [0, None, 1.5, True])
+def test_csv_import_names_a_bad_exchange_every(k):
+  with pytest.raises(ValueError, match=rf"exchange_every must be a positive integer, got {k!r}"):
+    pipeline.from_csv("0F0,,0B0\n,1F0,1B0\n", exchange_every=k, retime=True)
+
+
 def test_schedule_checks_hold_under_python_optimize():
   # The checks raise, not `assert`: `python -O` must not run a broken table.
   code = (

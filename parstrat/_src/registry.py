@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
@@ -25,7 +26,8 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
 
   Raises:
     ValueError: if `name` is empty or taken and `overwrite` is False.
-    TypeError: if the decorated object is not a `parstrat.Strategy` subclass.
+    TypeError: if the decorated object is not a `parstrat.Strategy` subclass,
+      or leaves an abstract method (`make_plan`) unimplemented.
 
   Example:
     >>> import parstrat
@@ -45,6 +47,11 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
       raise TypeError(
         f"@parstrat.register({name!r}) needs a subclass of parstrat.Strategy, got {cls!r}."
+      )
+    if inspect.isabstract(cls):  # (else `get` fails later, and "auto" skips it silently)
+      missing = ", ".join(sorted(cls.__abstractmethods__))
+      raise TypeError(
+        f"@parstrat.register({name!r}): {cls.__qualname__} does not implement {missing}."
       )
     if name in _REGISTRY and not overwrite and not _same_definition(_REGISTRY[name], cls):
       raise ValueError(

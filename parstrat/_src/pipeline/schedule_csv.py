@@ -21,6 +21,7 @@ import re
 from parstrat._src.pipeline.schedule import Action
 from parstrat._src.pipeline.schedule import Op
 from parstrat._src.pipeline.schedule import Schedule
+from parstrat._src.pipeline.schedule import _check_positive
 from parstrat._src.pipeline.schedule import _simulate
 from parstrat._src.pipeline.schedule import schedule_from_ticks
 
@@ -89,7 +90,8 @@ def from_csv(
 
   Raises:
     ValueError: naming the bad cell, a stage in the wrong row, a missing
-      action, or the first broken dependency.
+      action, or the first broken dependency; or an `exchange_every` that is
+      not a positive integer.
 
   Example:
     >>> from parstrat import pipeline
@@ -97,6 +99,7 @@ def from_csv(
     >>> s.stages, s.microbatches, round(s.bubble_fraction(), 3)
     (2, 2, 0.143)
   """
+  _check_positive("exchange_every", exchange_every)
   rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
   while rows and rows[-1] in ([], [""]):  # (trailing blank lines: a row of commas is a row)
     rows.pop()
