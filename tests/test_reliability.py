@@ -624,6 +624,18 @@ def test_a_donated_or_foreign_state_is_refused_before_jax_sees_it(trainer):
   with pytest.raises(ValueError, match="step: the state does not belong to this trainer: got a "
                      "dict, expected the TrainState its init or step returned"):  # fmt: skip
     trainer.step(trainer.export_state(new_state), (X, Y))
+  # The same model's state on other devices (a wider mesh): JAX's "incompatible devices"
+  # before, now named here.
+  wider = parstrat.DataParallel(data=4)(MODEL, optax.adam(1e-2))
+  elsewhere = wider.init(jax.random.key(0), X[:1])
+  for name, call in calls.items():
+    with pytest.raises(ValueError, match=re.escape(
+      f"{name}: the state does not belong to this trainer: its arrays are on devices "
+      "[0, 1, 2, 3], this trainer's mesh on [0, 1] (another trainer's state moves with "
+      "trainer.import_state(other.export_state(state))).")):  # fmt: skip
+      call(elsewhere)
+  moved = trainer.import_state(wider.export_state(elsewhere))
+  jax.tree.map(np.testing.assert_array_equal, trainer.params(moved), wider.params(elsewhere))
   trainer.step(new_state, (X, Y))  # the live state still works
 
 

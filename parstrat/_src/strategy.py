@@ -1256,6 +1256,10 @@ class Trainer:
   def _abstract_leaves(self) -> tuple[list[Any], Any]:
     return jax.tree.flatten(self._abstract_state)
 
+  @functools.cached_property
+  def _mesh_devices(self) -> set:
+    return set(self.mesh.devices.flat)
+
   def _check_state(self, state: Any, what: str) -> None:
     """Refuses a donated state, or one of another trainer, before JAX sees it.
 
@@ -1281,7 +1285,23 @@ class Trainer:
     if treedef == want_treedef and all(
       np.shape(x) == w.shape for x, w in zip(leaves, want_leaves, strict=True)
     ):
-      return
+      mesh_devices = self._mesh_devices
+      stray = next(
+        (
+          x
+          for x in leaves
+          if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != mesh_devices
+        ),
+        None,
+      )
+      if stray is None:
+        return
+      ids = lambda devices: sorted(d.id for d in devices)  # noqa: E731
+      raise ValueError(
+        f"{what}: the state does not belong to this trainer: its arrays are on devices "
+        f"{ids(stray.sharding.device_set)}, this trainer's mesh on {ids(mesh_devices)} "
+        "(another trainer's state moves with trainer.import_state(other.export_state(state)))."
+      )
     detail = trees.first_mismatch(state, self._abstract_state) or (
       f"got a {type(state).__name__}, expected the TrainState its init or step returned"
     )
