@@ -345,6 +345,10 @@ def test_csv_is_torch_pipelinings_format():
     ),
     ("0F0,,0B0\n,1F0\n", r"stage 1 never runs the backward \(B\) of microbatch 0"),
     ("0F0,0F0\n", r"stage 0 runs the forward \(F\) of microbatch 0 twice \(ticks 0 and 1\)"),
+    (  # (three stages on two devices: it said stage 3 never ran, a stage it never named)
+      "0F0,,2F0,2B0,,0B0\n,1F0,,,1B0\n",
+      r"names stages 0..2 on 2 devices \(rows\): .* must be a multiple of 2",
+    ),
     (
       "0F0,0B0\n1F0,1B0\n",
       "stage 0 runs the backward of microbatch 0 at tick 1, but needs "

@@ -160,7 +160,12 @@ def from_csv(
   ]
   found = [op for cells in parsed for op in cells if op is not None]
   G = max(g for _, _, g in found) + 1
-  v = -(-G // P)
+  if G % P:
+    raise ValueError(
+      f"The table names stages 0..{G - 1} on {P} devices (rows): each device holds the "
+      f"same number of stages, so their count must be a multiple of {P}."
+    )
+  v = G // P
   M = max(m for _, m, _ in found) + 1
   forwards = {(g, m) for a, m, g in found if a == Action.FORWARD}
   if G * M > len(forwards):  # (named here: the checks below walk every stage and microbatch)
