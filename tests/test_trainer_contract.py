@@ -182,23 +182,37 @@ def _with_aux_outputs(x):
 WITH_AUX = hk.transform(_with_aux_outputs)
 
 
+TIME_MAJOR = hk.transform(lambda x: jnp.stack([hk.Linear(CLASSES)(x)] * 16))  # [16, B, C]
+
+
 @pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor"])
 def test_apply_returns_outputs_without_a_batch_axis_or_names_them(name):
   # The whole-batch strategies return them as the model does; data_parallel joins
-  # per-device outputs along their first axis, so it names the first that has none.
-  trainer = STRATEGIES[name](WITH_AUX, optax.sgd(0.1), loss_fn=lambda out, y: out[1])
+  # per-device outputs along their first axis, so it names the first that has none,
+  # also a time-major one whose T equals the batch (16), and its step still trains.
   x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
-  state = trainer.init(jax.random.key(0), x[:1])
-  if name == "data_parallel":
-    with pytest.raises(
-      ValueError, match=r"output\[1\] has shape \(\), not a leading batch axis of 16"
-    ):
-      trainer.apply(state, x)
-    return
-  got = trainer.apply(state, x)
-  want = WITH_AUX.apply(jax.device_get(trainer.params(state)), None, x)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
-  assert got[0].sharding.spec == trainer.plan.batch_spec  # (the logits split like the rows)
+  y = np.arange(16) % CLASSES
+  for model in (WITH_AUX, TIME_MAJOR):
+    trainer = STRATEGIES[name](model, optax.sgd(0.1), loss_fn=lambda out, y: jnp.mean(out[1]))
+    state = trainer.init(jax.random.key(0), x[:1])
+    if name == "data_parallel":
+      message = (
+        r"output\[1\] has shape \(\), not a leading batch axis of 16"
+        if model is WITH_AUX
+        else r"on 4 rows output has shape \(16, 4, 10\), not a leading batch axis of 4"
+      )
+      with pytest.raises(ValueError, match=message):
+        trainer.apply(state, x)
+      state, metrics = trainer.step(state, (x, y))
+      assert np.isfinite(float(metrics["loss"]))
+      continue
+    got = trainer.apply(state, x)
+    want = model.apply(jax.device_get(trainer.params(state)), None, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+  if name != "data_parallel":  # (the logits of WITH_AUX split like the rows)
+    trainer = STRATEGIES[name](WITH_AUX, optax.sgd(0.1), loss_fn=lambda out, y: out[1])
+    state = trainer.init(jax.random.key(0), x[:1])
+    assert trainer.apply(state, x)[0].sharding.spec == trainer.plan.batch_spec
 
 
 @pytest.mark.parametrize("name", ["pipeline", "hybrid"])
@@ -315,6 +329,29 @@ def test_state_affine_in_the_batch_matches_jit(name, accumulate, adam):
     STRATEGIES[name], RUNNING_MEAN, optimizers, steps=3, batch=16, features=8,
     accumulate=accumulate,
   )  # fmt: skip
+
+
+def _flags(x):
+  """A bool that differs between devices, and an int8 that 2 devices' sum would overflow."""
+  hk.get_state("any_positive", [], jnp.bool_, init=jnp.zeros)
+  small = hk.get_state("small", [], jnp.int8, init=lambda shape, dtype: jnp.full(shape, 100, dtype))
+  hk.set_state("any_positive", jnp.any(x[:, 0] > 0))
+  hk.set_state("small", small)
+  return hk.Linear(CLASSES)(x)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_averaged_state_keeps_bools_and_narrow_integers(accumulate):
+  trainer = parstrat.DataParallel(data=2)(
+    hk.transform_with_state(_flags), optax.sgd(0.1), accumulate=accumulate
+  )
+  x = np.ones((8, 8), np.float32)
+  x[:4, 0] = -1  # device 0's rows: none positive
+  state = trainer.init(jax.random.key(0), x[:1])
+  state, _ = trainer.step(state, (x, np.zeros(8, np.int32)))
+  flag, small = state.model_state["~"]["any_positive"], state.model_state["~"]["small"]
+  assert flag.dtype == jnp.bool_ and not bool(flag)  # True on one device only
+  assert small.dtype == jnp.int8 and int(small) == 100
 
 
 def test_batch_norm_on_fsdp_is_the_whole_batch_statistics():

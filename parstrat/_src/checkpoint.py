@@ -55,13 +55,17 @@ def _check_json(name: str, value: Any) -> None:
   """Refuses, naming it, the first part of `value` that JSON cannot hold as it is.
 
   Raises:
-    TypeError: for a key that is not a string, or a value that is not a str, int,
-      float, bool, None, list, tuple or dict of those (a NumPy scalar, say).
+    TypeError: for a key that is not a str, int, float, bool or None, or a value
+      that is not one of those or a list, tuple or dict of them (a NumPy scalar,
+      say). (JSON writes number keys as strings and tuples as lists, as before.)
   """
   if isinstance(value, dict):
     for key, item in value.items():
-      if not isinstance(key, str):
-        raise TypeError(f"{name} has the key {key!r}: JSON keys must be strings.")
+      if key is not None and not isinstance(key, str | int | float | bool):
+        raise TypeError(
+          f"{name} has the key {key!r}: JSON keys are strings (numbers, bools and None "
+          "are written as strings)."
+        )
       _check_json(f"{name}[{key!r}]", item)
   elif isinstance(value, list | tuple):
     for i, item in enumerate(value):

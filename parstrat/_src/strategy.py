@@ -1327,32 +1327,36 @@ class Trainer:
     """Refuses, naming it, an output that a per-device `apply` could not put together.
 
     Each device computes the outputs of its own rows, and they are joined along
-    the first axis: that axis must be the batch's, in every output.
+    the first axis: that axis must be the batch's, in every output. It is where
+    the first axis follows the rows, for the whole batch and for one device's
+    share (a time-major `[T, B, ...]` whose T happens to equal one of them is
+    caught by the other).
 
     Raises:
       ValueError: naming the first output leaf that has no leading batch axis.
     """
-    rows = _batch_size("inputs", inputs)
+    rows, split = _batch_size("inputs", inputs), self._batch_split()
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(inputs))
-    if shapes in self._outputs_split:  # (traced once per input shapes)
+    if split == 1 or shapes in self._outputs_split:  # (traced once per input shapes)
       return
     params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
-    outputs, _ = jax.eval_shape(
-      lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
-      params,
-      self._abstract_state.model_state,
-      _abstract(inputs),
-    )
-    for path, y in jax.tree_util.tree_leaves_with_path(outputs):
-      if not y.shape or y.shape[0] != rows:
-        raise ValueError(
-          f"apply: {self.strategy!r} computes the outputs per device, each of its own "
-          f"rows, and joins them along the first axis, but output"
-          f"{jax.tree_util.keystr(path)} has shape {tuple(y.shape)}, not a leading batch "
-          f"axis of {rows}. Use model.apply(trainer.params(state), ...) for such outputs "
-          "(a scalar, a time-major [T, B, ...]), or a strategy whose apply runs on the "
-          "whole batch (fsdp, tensor)."
-        )
+    for count in (rows, rows // split):
+      outputs, _ = jax.eval_shape(
+        lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
+        params,
+        self._abstract_state.model_state,
+        jax.tree.map(lambda x, n=count: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), inputs),
+      )
+      for path, y in jax.tree_util.tree_leaves_with_path(outputs):
+        if not y.shape or y.shape[0] != count:
+          raise ValueError(
+            f"apply: {self.strategy!r} computes the outputs per device, each of its own "
+            f"rows, and joins them along the first axis, but on {count} rows output"
+            f"{jax.tree_util.keystr(path)} has shape {tuple(y.shape)}, not a leading batch "
+            f"axis of {count}. Use model.apply(trainer.params(state), ...) for such outputs "
+            "(a scalar, a time-major [T, B, ...]), or a strategy whose apply runs on the "
+            "whole batch (fsdp, tensor)."
+          )
     self._outputs_split.add(shapes)
 
   def _check_label_range(self, inputs: jax.Array, labels: jax.Array) -> None:
@@ -1515,8 +1519,19 @@ def accumulate_gradients(
 
 
 def _summable(tree: Any) -> Any:
-  """Bool leaves as int32, so that adding two counts them (`jnp.add` of bools is `or`)."""
-  return jax.tree.map(lambda x: x.astype(jnp.int32) if x.dtype == jnp.bool_ else x, tree)
+  """Bools and integers narrower than 32 bits as int32 (uint32), so that sums count.
+
+  (`jnp.add` of bools is `or`, and 8 devices' int8 100s would overflow.)
+  """
+
+  def wide(x):
+    if x.dtype == jnp.bool_:
+      return x.astype(jnp.int32)
+    if jnp.issubdtype(x.dtype, jnp.integer) and x.dtype.itemsize < 4:
+      return x.astype(jnp.uint32 if jnp.issubdtype(x.dtype, jnp.unsignedinteger) else jnp.int32)
+    return x
+
+  return jax.tree.map(wide, tree)
 
 
 def _mean_of_sum(total: jax.Array, count: int, dtype) -> jax.Array:
