@@ -135,9 +135,19 @@ def test_unread_params_mixed_dtypes_and_virtual_stages_are_named():
     x = hk.Linear(16, name="a")(x).astype(jnp.bfloat16) @ w
     return hk.Linear(10, name="out")(x.astype(jnp.float32))
 
+  def half_read(x):  # (an unread leaf in a layer whose other leaf is read: a raw zip error)
+    scale = hk.get_parameter("scale", (16,), init=jnp.ones)
+    hk.get_parameter("unused", (7,), init=jnp.zeros)
+    return hk.Linear(10, name="out")(jax.nn.swish(hk.Linear(16, name="inp")(x)) * scale)
+
   x = np.zeros((8, 16), np.float32)
   for net, strategy, message in (
     (ghost, parstrat.PipelineModelParallel(stages=2), r"Parameters \['~'\]\['ghost'\] \(layer"),
+    (
+      half_read,
+      parstrat.Hybrid(data=2, stages=2),
+      r"Parameters \['~'\]\['unused'\] \(layer\(s\) '~'\) are never used",
+    ),
     (
       mixed,
       parstrat.PipelineModelParallel(stages=2),

@@ -326,13 +326,13 @@ def _analyse(trace: _Trace) -> _Analysis:
         layer = param_layer[v]
         first_read.setdefault(layer, i)
         last_read[layer] = i
-  unused = [trace.layer_names[k] for k in range(len(trace.layer_names)) if k not in first_read]
-  if unused:
-    leaves = [
-      name
-      for name, layer in zip(trace.leaf_names, trace.leaf_layer, strict=True)
-      if trace.layer_names[layer] in unused
-    ]
+  # Per leaf: a layer may read some of its parameters and never others.
+  read = {v for eqn in eqns for v in eqn.invars if _is_var(v) and v in param_layer}
+  read |= {v for v in trace.jaxpr.outvars if _is_var(v) and v in param_layer}
+  unread = [i for i, v in enumerate(trace.param_vars) if v not in read]
+  if unread:
+    leaves = [trace.leaf_names[i] for i in unread]
+    unused = list(dict.fromkeys(trace.layer_names[trace.leaf_layer[i]] for i in unread))
     raise ValueError(
       f"Parameters {', '.join(leaves)} (layer(s) {', '.join(map(repr, unused))}) are never "
       "used by the model's apply; a pipeline gives each parameter to the stage that reads it."
