@@ -66,7 +66,7 @@ def parse_bytes(value: int | str | None) -> int | None:
   """`1_000_000`, "512MiB", "2GB", "1.5 GiB" -> bytes; None stays None.
 
   Raises:
-    ValueError: for a negative number or text that is not a size.
+    ValueError: for a number below 1, inf or NaN, or text that is not a size.
   """
   if value is None:
     return None
@@ -81,7 +81,12 @@ def parse_bytes(value: int | str | None) -> int | None:
     if size <= 0:
       raise ValueError(f"memory_budget must be a positive size, got {value!r}.")
     return size
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, float, np.integer, np.floating))
+    or not math.isfinite(value)
+    or value < 1
+  ):  # (0.5 bytes would be 0, read as "no limit"; inf and NaN have no int)
     raise ValueError(f"memory_budget must be a positive number of bytes, got {value!r}.")
   return int(value)
 
