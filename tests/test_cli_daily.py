@@ -600,6 +600,20 @@ def test_skipped_updates_are_counted_across_a_resume(tmp_path, monkeypatch, caps
   ]
 
 
+def test_the_logged_learning_rate_is_the_one_each_update_used(tmp_path, monkeypatch):
+  # Step 2's update is skipped and leaves the optimizer's count, and so its warm-up,
+  # where it was: step 3 uses the rate step 2 would have. The log ran one step ahead.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:nan_second", "--out", "run", "--steps", "4", "--lr", "1.0",
+                   "--warmup-steps", "4", "--log-every", "1") == 0  # fmt: skip
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  warmup = optimizers.learning_rate_schedule(1.0, schedule="constant", warmup_steps=4,
+                                             total_steps=None)  # fmt: skip
+  assert [r["learning_rate"] for r in rows if "loss" in r] == pytest.approx(
+    [float(warmup(c)) for c in (0, 1, 1, 2)]
+  )
+
+
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():
   class OneHotOfInputs:  # a "trainer" whose outputs predict each input token itself
     def apply(self, state, tokens):

@@ -1050,7 +1050,8 @@ def _train_one(
   # Sums that span checkpoints: kept in each checkpoint's meta, so that a resumed run's
   # epoch loss, logged rows and skipped count are those of the run it continues.
   running = {"epoch_loss": [0.0, 0], "window_loss": [0.0, 0], "skipped_steps": 0,
-             "last_row_step": 0, "last_skipped_step": 0}  # fmt: skip
+             "last_row_step": 0, "last_skipped_step": 0,
+             "skipped_before_optimizer": 0}  # fmt: skip
   accuracy = None
   ckpt = None
   first_epoch, skip_batches = 0, 0
@@ -1064,6 +1065,8 @@ def _train_one(
       resume_step = step
       optimizer_start = step if args.fresh_optimizer else meta.get("optimizer_start", 0)
       running.update(meta.get("running", {}))  # older checkpoints: from the resume on
+      if args.fresh_optimizer:  # (its schedule counts only the updates after this step)
+        running["skipped_before_optimizer"] = running["skipped_steps"]
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
@@ -1125,6 +1128,13 @@ def _train_one(
   # rate needs both), and its finite losses in running["window_loss"].
   window_steps, window_examples, window_seconds = 0, 0, 0.0
 
+  def optimizer_count() -> int:
+    """The optimizer's update count at this step: a skipped update leaves it (and the
+    learning-rate schedule) where it was."""
+    skipped = running["skipped_steps"] - running["skipped_before_optimizer"]
+    skipped -= running["last_skipped_step"] == step  # (this step's own skip, if any)
+    return step - 1 - optimizer_start - skipped
+
   def log(epoch: int, loss: float, metrics: dict) -> None:
     """One row for the steps since the last: their mean loss and examples/s."""
     nonlocal window_steps, window_examples, window_seconds
@@ -1135,7 +1145,7 @@ def _train_one(
       "loss": total / finite_steps if finite_steps else loss,
       "grad_norm": float(metrics["grad_norm"]),
       "examples_per_s": window_examples / window_seconds,
-      "learning_rate": float(lr_schedule(step - 1 - optimizer_start)),
+      "learning_rate": float(lr_schedule(optimizer_count())),
       "skipped_steps": running["skipped_steps"],
     }
     if running["last_skipped_step"] > running["last_row_step"]:
