@@ -111,6 +111,10 @@ def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path
   "args, message",
   [
     (["train", "--strategy", "nope"], "Unknown strategy 'nope'"),
+    (
+      ["train", "--compare", "data_parallel,fsdp,data_parallel"],
+      "--compare names data_parallel twice: name each strategy once",
+    ),
     (["train", "--devices", "16"], "--devices 16: only 8 cpu devices are available"),
     (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
     (

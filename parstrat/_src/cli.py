@@ -849,6 +849,9 @@ def train(args: argparse.Namespace) -> dict:
     except ValueError as e:  # ConfigError is a ValueError
       raise UsageError(str(e)) from None
   names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
+  twice = sorted({name for name in names if names.count(name) > 1})
+  if twice:  # (each run writes DIR/<name>/: the second would overwrite the first)
+    raise UsageError(f"--compare names {', '.join(twice)} twice: name each strategy once")
   strategies = {}
   for name in names:
     try:
