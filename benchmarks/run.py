@@ -26,7 +26,9 @@ faults per step: the process asks glibc to keep freed memory (no `mmap` for
 large blocks, no trimming below 1 GiB; `--allocator default` leaves glibc as it is), since
 otherwise a program with a large temporary buffer may have it unmapped after
 each step and fault it back in, page by page (on 2 cores the hand-written GPipe
-loop's 31.5 MiB took 8,000-16,000 faults a step, the other rows next to none).
+loop's 31.5 MiB took 8,000-16,000 faults a step, the other rows next to none, in a
+check of five rows; in the whole benchmark on 2 cores rows still fault with the
+setting, so the faults column is what to read).
 
 Run: python benchmarks/run.py [--devices 8] [--repeats 30] [--passes 3] [--batch 1024] [--quick]
 [--allocator steady|default] [--json benchmarks/results.json]
