@@ -187,18 +187,21 @@ def _import(target: str, flag: str, spec: str):
       sys.path.remove(cwd)
 
 
-def import_module(target: str, flag: str) -> Any:
+def import_module(target: str, flag: str, spec: str | None = None) -> Any:
   """Imports `package.module` (the current directory on the path) or `path/to/file.py`.
+
+  `spec` is what the user wrote, for messages (default: `target`).
 
   Raises:
     ConfigError: naming what is missing, or why importing it failed.
   """
+  spec = target if spec is None else spec
   try:
-    return _import(target, flag, target)
+    return _import(target, flag, spec)
   except ConfigError:
     raise
   except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
-    raise ConfigError(f"{flag} {target!r}: importing it failed: {type(e).__name__}: {e}") from e
+    raise ConfigError(f"{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
 
 
 def load_object(spec: str, flag: str) -> Any:
@@ -226,13 +229,7 @@ def load_object(spec: str, flag: str) -> Any:
     raise ConfigError(
       f"{flag} {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'"
     )
-  try:
-    module = _import(target, flag, spec)
-  except ConfigError:
-    raise
-  except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
-    raise ConfigError(f"{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
-  obj = module
+  obj = import_module(target, flag, spec)
   for part in attr.split("."):
     if not hasattr(obj, part):
       names = [n for n in dir(obj) if not n.startswith("_")]

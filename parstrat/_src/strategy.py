@@ -1307,8 +1307,8 @@ class Trainer:
     )
     raise ValueError(f"{what}: the state does not belong to this trainer: {detail}.")
 
-  def _num_classes(self, inputs: Any) -> int:
-    """The width C of the model's output for `inputs` (labels must lie in [0, C))."""
+  def _abstract_outputs(self, inputs: Any) -> Any:
+    """The model's outputs for `inputs` (arrays or shapes), as shapes: nothing runs."""
     params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
     outputs, _ = jax.eval_shape(
       lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
@@ -1316,7 +1316,11 @@ class Trainer:
       self._abstract_state.model_state,
       _abstract(inputs),
     )
-    return int(outputs.shape[-1])
+    return outputs
+
+  def _num_classes(self, inputs: Any) -> int:
+    """The width C of the model's output for `inputs` (labels must lie in [0, C))."""
+    return int(self._abstract_outputs(inputs).shape[-1])
 
   @functools.cached_property
   def _outputs_split(self) -> set:
@@ -1339,13 +1343,9 @@ class Trainer:
     shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(inputs))
     if split == 1 or shapes in self._outputs_split:  # (traced once per input shapes)
       return
-    params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
     for count in (rows, rows // split):
-      outputs, _ = jax.eval_shape(
-        lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
-        params,
-        self._abstract_state.model_state,
-        jax.tree.map(lambda x, n=count: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), inputs),
+      outputs = self._abstract_outputs(
+        jax.tree.map(lambda x, n=count: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), inputs)
       )
       for path, y in jax.tree_util.tree_leaves_with_path(outputs):
         if not y.shape or y.shape[0] != count:
@@ -1536,9 +1536,8 @@ def _summable(tree: Any) -> Any:
 
 def _mean_of_sum(total: jax.Array, count: int, dtype) -> jax.Array:
   """`total / count` in `dtype`: for integers the floor, for bools whether all were True."""
-  if jnp.issubdtype(total.dtype, jnp.inexact):
-    return (total / count).astype(dtype)
-  return (total // count).astype(dtype)
+  mean = total / count if jnp.issubdtype(total.dtype, jnp.inexact) else total // count
+  return mean.astype(dtype)
 
 
 def _mean_over(tree: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:

@@ -320,15 +320,15 @@ def _analyse(trace: _Trace) -> _Analysis:
   param_layer = {v: trace.leaf_layer[i] for i, v in enumerate(trace.param_vars)}
   first_read: dict[int, int] = {}
   last_read: dict[int, int] = {}
+  # (per leaf: a layer may read some of its parameters and never others)
+  read = {v for v in trace.jaxpr.outvars if _is_var(v) and v in param_layer}
   for i, eqn in enumerate(eqns):
     for v in eqn.invars:
       if _is_var(v) and v in param_layer:
         layer = param_layer[v]
         first_read.setdefault(layer, i)
         last_read[layer] = i
-  # Per leaf: a layer may read some of its parameters and never others.
-  read = {v for eqn in eqns for v in eqn.invars if _is_var(v) and v in param_layer}
-  read |= {v for v in trace.jaxpr.outvars if _is_var(v) and v in param_layer}
+        read.add(v)
   unread = [i for i, v in enumerate(trace.param_vars) if v not in read]
   if unread:
     leaves = [trace.leaf_names[i] for i in unread]
