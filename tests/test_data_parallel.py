@@ -1,3 +1,4 @@
+import dataclasses
 import re
 
 import jax
@@ -77,13 +78,31 @@ def test_corrupted_replica_is_caught():
   parstrat.checks.assert_replicas_equal(corrupted, atol=2e-3)
 
 
+class _GradientsNotAveraged(parstrat.DataParallel):
+  """Each device applies its own gradients: the replicas drift apart."""
+
+  def make_plan(self, *args, **kwargs):
+    return dataclasses.replace(super().make_plan(*args, **kwargs), reduce=lambda pair: pair)
+
+
 def test_debug_option_checks_replicas_every_step():
-  trainer = parstrat.DataParallel(data=4, debug=True)(SEED_MLP, optax.sgd(0.1))
   images, labels = parstrat.testing.random_batches(2, 16)
+  trainer = parstrat.DataParallel(data=4, debug=True)(SEED_MLP, optax.sgd(0.1))
   state = trainer.init(jax.random.key(0), images[0][:1])
   for x, y in zip(images, labels, strict=True):
     state, metrics = trainer.step(state, (x, y))
   assert np.isfinite(float(metrics["loss"]))
+  # A plan that forgets its gradient mean passes without debug and fails the check with it.
+  for debug in (False, True):
+    trainer = _GradientsNotAveraged(data=4, debug=debug)(SEED_MLP, optax.sgd(0.1))
+    state = trainer.init(jax.random.key(0), images[0][:1])
+    if debug:
+      with pytest.raises(
+        AssertionError, match=r"Replicas of \.params\['mlp/~/linear_0'\]\['b'\] differ: block"
+      ):
+        trainer.step(state, (images[0], labels[0]))
+    else:
+      trainer.step(state, (images[0], labels[0]))
 
 
 def test_second_step_does_not_retrace():

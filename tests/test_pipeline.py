@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import haiku as hk
@@ -274,6 +275,21 @@ def test_microbatches_must_divide_the_batch():
   state = trainer.init(jax.random.key(0), images[0][:1])
   with pytest.raises(ValueError, match=r"positive multiple of 4 .*x 4 microbatches\), got 6"):
     trainer.step(state, (images[0][:6], labels[0][:6]))
+  # M left to its default comes from a given schedule (it said "one per stage": 2)
+  given = pipeline.build_schedule("1f1b", 2, 4)
+  trainer = parstrat.PipelineModelParallel(stages=2, schedule=given)(SEED_MLP, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with pytest.raises(ValueError, match=r"x 4 microbatches \(default: the given schedule's\)\)"):
+    trainer.step(state, (images[0][:6], labels[0][:6]))
+
+
+def _edited_gpipe(one_slot):
+  """GPipe at P=2, M=4 with its stash cut to one slot: its tables moved there, or not."""
+  schedule = pipeline.build_schedule("gpipe", 2, 4)
+  tables = {}
+  if one_slot:
+    tables = {k: np.minimum(getattr(schedule, k), 0) for k in ("act_slot", "recv_act_slot")}
+  return dataclasses.replace(schedule, num_act_slots=1, **tables)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +316,18 @@ def test_microbatches_must_divide_the_batch():
       dict(stages=2, schedule=pipeline.build_schedule("1f1b", 2, 2), exchange_every=2),
       ValueError,
       "The '1f1b' schedule runs exchange_every=1, not 2",
+    ),
+    (  # A `Schedule` edited by hand is checked before it runs: every stashed input in
+      # one slot, where later forwards overwrite inputs still needed, trained wrong.
+      dict(stages=2, microbatches=4, schedule=_edited_gpipe(one_slot=True)),
+      ValueError,
+      "The 'gpipe' schedule does not check: tick 5: stage 1 reads the wrong input for microbatch 0",
+    ),
+    (
+      dict(stages=2, microbatches=4, schedule=_edited_gpipe(one_slot=False)),
+      ValueError,
+      r"does not check: tick 2, stage 1: Schedule.act_slot is 1, outside the "
+      r"num_act_slots=1 slots \(-1 for none\)",
     ),
   ],
 )
@@ -1116,6 +1144,10 @@ def test_each_device_holds_only_its_stage():
     )
     np.testing.assert_array_equal(layout_rows[s, : own.size], own)
     assert not np.any(layout_rows[s, own.size :])
+  # ... padded to the largest stage and no further.
+  sizes = [sum(params[names[i]][k].size for i in group for k in ("b", "w")) for group in
+           plan.stage_layers]  # fmt: skip
+  assert layout_rows.shape == (4, max(sizes)), (layout_rows.shape, sizes)
 
 
 def test_nan_bubbles_never_leak():

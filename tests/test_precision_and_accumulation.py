@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import parstrat
+from parstrat._src import hlo_check
 from parstrat.testing import check_strategy
 from parstrat.testing import random_batches
 
@@ -151,6 +152,28 @@ def test_data_parallel_accumulation_reduces_once_and_holds_less():
   assert reductions[4] == reductions[1] == [gradients, "f32[], f32[], f32[]"]
   temp = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
   assert temp[4] < 0.75 * temp[1]  # measured: 5.3 MB vs 8.7 MB
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [parstrat.DataParallel(data=2), parstrat.Hybrid(data=2, stages=2, microbatches=2)],
+  ids=["data_parallel", "hybrid"],
+)
+def test_accumulation_reduces_the_gradients_after_its_loop_not_in_every_microstep(strategy):
+  # Their plans return local gradients and reduce them in `Plan.reduce`: once a step.
+  # (Moving Hybrid's "data" mean into each microstep passed every other test.)
+  model = hk.transform(lambda x: hk.nets.MLP([32, 32, 10])(x))
+  images, labels = random_batches(1, 64)
+  trainer = strategy(model, optax.sgd(0.1), accumulate=4)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  hlo = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+  in_loops = [line for op, _, line in hlo_check.loop_instructions(hlo) if op == "all-reduce"]
+  looped = all_reduce_shapes("\n".join(in_loops))
+  # In a loop: scalars only (the pipeline's loss, summed over its stages, each tick).
+  assert all(re.fullmatch(r"f32\[\](, f32\[\])*", shape) for shape in looped), looped
+  # After it: one all-reduce of every gradient.
+  gradients = [x for x in all_reduce_shapes(hlo) if x not in looped and re.search(r"\[\d", x)]
+  assert len(gradients) == 1, all_reduce_shapes(hlo)
 
 
 def test_accumulation_needs_a_batch_that_splits_into_microsteps():

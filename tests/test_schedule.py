@@ -1,5 +1,6 @@
 """Schedules are plain data: checked here without any device."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -307,6 +308,20 @@ def test_csv_round_trip(name, stages, microbatches, v, k):
   assert back.name == "imported" and back.theoretical_bubble() is None
 
 
+def test_the_theory_is_given_only_for_the_built_table_and_the_sizes_it_covers():
+  zb = pipeline.build_schedule("zb_h1", 4, 8)
+  named_back = pipeline.from_csv(pipeline.to_csv(zb), name="zb_h1")
+  assert named_back.theoretical_bubble() == pytest.approx(3 / 27)  # the same table
+  # A GPipe table under ZB-H1's name was given ZB-H1's 0.111 beside its own 0.273.
+  other = pipeline.from_csv(pipeline.to_csv(pipeline.build_schedule("gpipe", 4, 8)), name="zb_h1")
+  assert other.theoretical_bubble() is None
+  assert other.bubble_text() == "bubble 0.273 (no theory for an imported or edited schedule)"
+  # ZB-H1's formula holds for M >= P: at M=2 it said 0.333 beside the table's 0.455.
+  few = pipeline.build_schedule("zb_h1", 4, 2)
+  assert few.theoretical_bubble() is None
+  assert few.bubble_text() == "bubble 0.455 (theory (P-1)/(3M+P-1) holds for M >= P only)"
+
+
 def test_csv_is_torch_pipelinings_format():
   # One row per rank, one cell per step, "" when idle; torch writes `{stage}{F|I|B|W}{mb}`
   # (B: full backward, I: input gradient, W: weight gradient) and stage g on rank g % P.
@@ -377,6 +392,32 @@ def test_csv_import_names_the_problem(text, message):
 def test_csv_import_names_a_bad_exchange_every(k):
   with pytest.raises(ValueError, match=rf"exchange_every must be a positive integer, got {k!r}"):
     pipeline.from_csv("0F0,,0B0\n,1F0,1B0\n", exchange_every=k, retime=True)
+
+
+def test_csv_import_reads_a_byte_order_mark_and_names_a_deadlock_in_its_own_notation():
+  assert pipeline.from_csv("\ufeff0F0,0F1,,0B0,,0B1\n,1F0,1B0,1F1,1B1,\n").microbatches == 2
+  with pytest.raises(
+    ValueError,
+    match=r"deadlocks at tick 1: no stage can proceed \(device 0 waits to run 0B0, device 1 "
+    r"waits to run 1F1\)",
+  ):
+    pipeline.from_csv("0F0,0B0,0F1,0B1\n1F1,1F0,1B0,1B1\n", retime=True)
+
+
+def test_csv_import_refuses_two_messages_one_way_in_an_exchange_with_a_value_error():
+  # (check_schedule's AssertionError escaped from_csv, which documents ValueError)
+  with pytest.raises(ValueError, match="tick 1: stage 0 sends two activations in one exchange"):
+    pipeline.from_csv("0F0,0F1,,,0B0,,0B1,\n,,1F0,1B0,1F1,1B1,,\n", exchange_every=2)
+
+
+def test_check_schedule_names_tables_of_the_wrong_shape_and_slots_outside_the_buffers():
+  schedule = pipeline.build_schedule("1f1b", 4, 8)
+  with pytest.raises(
+    AssertionError, match=r"tick 3, stage 1: Schedule.act_slot is 2, outside the num_act_slots=2"
+  ):
+    pipeline.check_schedule(dataclasses.replace(schedule, num_act_slots=2))
+  with pytest.raises(AssertionError, match=r"Schedule.grad_slot has shape \(21, 4\), not"):
+    pipeline.check_schedule(dataclasses.replace(schedule, grad_slot=schedule.grad_slot[1:]))
 
 
 def test_schedule_checks_hold_under_python_optimize():

@@ -9,9 +9,11 @@ import pytest
 from helpers import DEEP_MLP
 from helpers import SEED_MLP
 from helpers import mlp
+from jax.sharding import PartitionSpec as P
 
 import parstrat
 import parstrat.testing
+from parstrat._src import sharded_params
 
 
 @pytest.mark.parametrize(
@@ -99,6 +101,12 @@ def test_zero_stage_must_be_1_2_or_3():
 def _all_gathered_shapes(trainer, state, batch) -> list[str]:
   text = trainer.lower(state, batch).compile().as_text()
   return re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+
+
+def test_replicate_below_keeps_whole_the_leaves_of_fewer_elements_than_it():
+  assert sharded_params.fsdp_spec((512,), "data", 8, replicate_below=513) == P()
+  assert sharded_params.fsdp_spec((512,), "data", 8, replicate_below=512) == P("data")
+  assert sharded_params.fsdp_spec((64, 8), "data", 8, replicate_below=0) == P("data", None)
 
 
 def test_fsdp_replicate_below_keeps_small_leaves_whole_and_stops_gathering_them():

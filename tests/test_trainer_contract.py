@@ -332,10 +332,12 @@ def test_state_affine_in_the_batch_matches_jit(name, accumulate, adam):
 
 
 def _flags(x):
-  """A bool that differs between devices, and an int8 that 2 devices' sum would overflow."""
+  """A bool and a count that differ between devices, and an int8 whose sum would overflow."""
   hk.get_state("any_positive", [], jnp.bool_, init=jnp.zeros)
+  hk.get_state("positives", [], jnp.int32, init=jnp.zeros)
   small = hk.get_state("small", [], jnp.int8, init=lambda shape, dtype: jnp.full(shape, 100, dtype))
   hk.set_state("any_positive", jnp.any(x[:, 0] > 0))
+  hk.set_state("positives", jnp.sum(x[:, 0] > 0).astype(jnp.int32))
   hk.set_state("small", small)
   return hk.Linear(CLASSES)(x)
 
@@ -346,12 +348,15 @@ def test_averaged_state_keeps_bools_and_narrow_integers(accumulate):
     hk.transform_with_state(_flags), optax.sgd(0.1), accumulate=accumulate
   )
   x = np.ones((8, 8), np.float32)
-  x[:4, 0] = -1  # device 0's rows: none positive
+  x[:5, 0] = -1  # device 0's rows: none positive; device 1's: 3 of 4
   state = trainer.init(jax.random.key(0), x[:1])
   state, _ = trainer.step(state, (x, np.zeros(8, np.int32)))
   flag, small = state.model_state["~"]["any_positive"], state.model_state["~"]["small"]
   assert flag.dtype == jnp.bool_ and not bool(flag)  # True on one device only
   assert small.dtype == jnp.int8 and int(small) == 100
+  # Counts 0 and 3: floor(1.5) = 1; by microsteps of 2 rows, (0, 0) and (1, 2): floor(0.5).
+  positives = state.model_state["~"]["positives"]
+  assert positives.dtype == jnp.int32 and int(positives) == {1: 1, 2: 0}[accumulate]
 
 
 def test_batch_norm_on_fsdp_is_the_whole_batch_statistics():

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 
+from parstrat._src import messages
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -98,7 +100,7 @@ def options(trainer) -> list[str]:
       value = getattr(strategy, name, default)
       if value != default:
         shown.append(f"{name}={value}")
-    default = " (default: one per stage)" if getattr(strategy, "microbatches", 0) is None else ""
+    default = messages.microbatches_default(strategy)
     shown.append(f"microbatches={trainer.plan.batch_multiple}{default}")
   if trainer.skip_nonfinite:
     shown.append("non-finite steps skipped")

@@ -1347,11 +1347,15 @@ def schedule(args: argparse.Namespace) -> None:
       + (f" (ticks only: read it back with pipeline.from_csv(text, exchange_every={K}))" * (K > 1))
     )
   print(table)
-  formula = schedule_lib.THEORY[table.name][0]
+  theory = table.theoretical_bubble()
   print(
     f"bubble fraction: {table.bubble_fraction():.4f} idle share of the tick table, "
-    f"{table.theoretical_bubble():.4f} theory {formula}; "
-    f"peak live activations per stage: {table.max_live_activations()}"
+    + (
+      f"{theory:.4f} theory {schedule_lib.THEORY[table.name].formula}"
+      if theory is not None
+      else table.theory_text()
+    )
+    + f"; peak live activations per stage: {table.max_live_activations()}"
   )
   print(
     "lock-step time (each exchange waits for the slowest device), in forwards of one "

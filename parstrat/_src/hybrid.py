@@ -217,7 +217,11 @@ def schedule_for(
   virtual_stages: int | None,
   exchange_every: int | None = None,
 ) -> schedule_lib.Schedule:
-  """The named schedule built for (P, M, v, K), or a given `Schedule` checked against them."""
+  """The named schedule built for (P, M, v, K), or a given `Schedule` checked, and against them.
+
+  Raises:
+    ValueError: naming the size that differs, or what `check_schedule` found wrong.
+  """
   if not isinstance(schedule, schedule_lib.Schedule):
     return schedule_lib.build_schedule(
       schedule,
@@ -234,6 +238,10 @@ def schedule_for(
   ):
     if want != have:
       raise ValueError(f"The {schedule.name!r} schedule runs {what}={have}, not {want}.")
+  try:  # (a `Schedule` is plain data: one edited by hand would run wrong without a word)
+    schedule_lib.check_schedule(schedule)
+  except AssertionError as e:
+    raise ValueError(f"The {schedule.name!r} schedule does not check: {e}") from None
   return schedule
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def first_line(error: BaseException, limit: int = 160) -> str:
   """The first line of an error's message, cut to `limit` characters, for one-line reports.
@@ -27,7 +29,7 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
 
 
 def batch_size_message(
-  what: str, batch: int, split: str, ways: int, microbatches: int, default_microbatches: bool,
+  what: str, batch: int, split: str, ways: int, microbatches: int, default_note: str,
   accumulate: int,
 ) -> str:  # fmt: skip
   """The batch-size error: what the size must divide by, why, and the nearest valid sizes.
@@ -38,11 +40,12 @@ def batch_size_message(
     split: the devices it is split over, in words.
     ways: how many ways it is split.
     microbatches: the plan's microbatches (1 for none).
-    default_microbatches: whether the user left `microbatches` to its default.
+    default_note: `microbatches_default(strategy)`, where M came from.
     accumulate: gradient-accumulation microsteps.
 
   Example:
-    >>> msg = batch_size_message("the global batch", 256, "P('data',)", 1, 3, True, 1)
+    >>> msg = batch_size_message(
+    ...     "the global batch", 256, "P('data',)", 1, 3, " (default: one per stage)", 1)
     >>> "must be a positive multiple of 3" in msg and "3 microbatches (default" in msg
     True
     >>> msg.endswith("got 256; the nearest valid sizes are 255 and 258.")
@@ -52,8 +55,7 @@ def batch_size_message(
   detail = f"{ways} device(s) along {split}"
   if microbatches > 1:
     detail += f" x {microbatches} microbatches"
-    if default_microbatches:
-      detail += " (default: one per stage)"
+    detail += default_note
   if accumulate > 1:
     detail += f" x accumulate={accumulate}"
   below, above = nearest_multiples(batch, multiple)
@@ -63,6 +65,21 @@ def batch_size_message(
     f"The batch size of {what} must be a positive multiple of {multiple} ({detail}), "
     f"got {batch}; the nearest valid size{plural} {nearest}."
   )
+
+
+def microbatches_default(strategy: Any) -> str:
+  """Where a strategy's M came from when `microbatches` was left to its default, or "".
+
+  Example:
+    >>> import parstrat
+    >>> microbatches_default(parstrat.PipelineModelParallel(stages=2))
+    ' (default: one per stage)'
+  """
+  if getattr(strategy, "microbatches", 0) is not None:
+    return ""
+  if hasattr(getattr(strategy, "schedule", None), "microbatches"):  # a `Schedule` given
+    return " (default: the given schedule's)"
+  return " (default: one per stage)"
 
 
 class TooFewDevicesError(ValueError):

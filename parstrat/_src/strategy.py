@@ -965,7 +965,7 @@ class Trainer:
           str(self.plan.batch_spec),
           split,
           self.plan.batch_multiple,
-          getattr(self.strategy, "microbatches", 0) is None,
+          messages.microbatches_default(self.strategy),
           accumulate,
         )  # fmt: skip
       )

@@ -16,6 +16,7 @@ import enum
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -174,13 +175,30 @@ ORDERS: dict[str, Callable[[int, int, int, int], list[Op]]] = {
   "interleaved_1f1b": interleaved_1f1b_order,
 }
 
-# The idle share each schedule's paper gives, as (formula, value(P, M, v)); one
-# tick is one F, B, I or W of one chunk.
-THEORY: dict[str, tuple[str, Callable[[int, int, int], float]]] = {
-  "gpipe": ("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
-  "1f1b": ("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
-  "zb_h1": ("(P-1)/(3M+P-1)", lambda P, M, v: (P - 1) / (3 * M + P - 1)),
-  "interleaved_1f1b": ("(P-1)/(vM+P-1)", lambda P, M, v: (P - 1) / (v * M + P - 1)),
+
+class Theory(NamedTuple):
+  """The idle share a schedule's paper gives; one tick is one F, B, I or W of one chunk.
+
+  Attributes:
+    formula: the formula, in words ("(P-1)/(M+P-1)").
+    bubble: its value for (P, M, v).
+    for_m_at_least_p: whether it holds only for M >= P (ZB-H1: with fewer
+      microbatches the deferred W passes cannot fill the drain).
+  """
+
+  formula: str
+  bubble: Callable[[int, int, int], float]
+  for_m_at_least_p: bool = False
+
+  def holds(self, stages: int, microbatches: int) -> bool:
+    return microbatches >= stages or not self.for_m_at_least_p
+
+
+THEORY: dict[str, Theory] = {
+  "gpipe": Theory("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
+  "1f1b": Theory("(P-1)/(M+P-1)", lambda P, M, v: theoretical_bubble(P, M)),
+  "zb_h1": Theory("(P-1)/(3M+P-1)", lambda P, M, v: (P - 1) / (3 * M + P - 1), True),
+  "interleaved_1f1b": Theory("(P-1)/(vM+P-1)", lambda P, M, v: (P - 1) / (v * M + P - 1)),
 }
 
 #: What each pass costs on the engine, in forwards of one stage (a backward
@@ -293,17 +311,44 @@ class Schedule:
     """The measured fraction of (tick, device) slots left idle."""
     return float(np.mean(self.action == Action.IDLE))
 
-  def theoretical_bubble(self) -> float | None:
-    """The idle share the schedule's paper gives (None for an imported schedule)."""
+  def _is_built(self) -> bool:
+    """Whether this is the table `build_schedule` makes for its name and sizes."""
     if self.name not in THEORY:
+      return False
+    try:
+      built = build_schedule(
+        self.name,
+        self.stages,
+        self.microbatches,
+        virtual_stages=self.virtual_stages,
+        exchange_every=self.exchange_every,
+      )
+    except ValueError:
+      return False
+    return all(
+      np.array_equal(getattr(built, x), getattr(self, x)) for x in ("action", "microbatch", "chunk")
+    )
+
+  def theoretical_bubble(self) -> float | None:
+    """The idle share the schedule's paper gives (`THEORY`).
+
+    None for a table `build_schedule` did not make (imported, or edited, even
+    under a built-in name), and for sizes the formula does not cover (ZB-H1's
+    holds for M >= P).
+    """
+    theory = THEORY.get(self.name)
+    if not (self._is_built() and theory.holds(self.stages, self.microbatches)):
       return None
-    return THEORY[self.name][1](self.stages, self.microbatches, self.virtual_stages)
+    return theory.bubble(self.stages, self.microbatches, self.virtual_stages)
 
   def theory_text(self) -> str:
-    """E.g. "theory (P-1)/(M+P-1) = 0.273", or "no theory" for an imported schedule."""
-    if self.name not in THEORY:
-      return "no theory for an imported schedule"
-    return f"theory {THEORY[self.name][0]} = {self.theoretical_bubble():.3f}"
+    """E.g. "theory (P-1)/(M+P-1) = 0.273", or why there is none."""
+    if not self._is_built():
+      return "no theory for an imported or edited schedule"
+    theory = THEORY[self.name]
+    if not theory.holds(self.stages, self.microbatches):
+      return f"theory {theory.formula} holds for M >= P only"
+    return f"theory {theory.formula} = {self.theoretical_bubble():.3f}"
 
   def bubble_text(self) -> str:
     """E.g. "bubble 0.273 (theory (P-1)/(M+P-1) = 0.273)".
@@ -538,7 +583,12 @@ def _simulate(
         rows[k][s] = orders[s][pos[s]]
         pos[s] += 1
     if all(op is None for row in rows for op in row):
-      waiting = {s: orders[s][pos[s]] for s in range(stages) if pos[s] < len(orders[s])}
+      waiting = ", ".join(
+        f"device {s} waits to run {orders[s][pos[s]][2] * stages + s}"
+        f"{Action(orders[s][pos[s]][0]).letter}{orders[s][pos[s]][1]}"
+        for s in range(stages)
+        if pos[s] < len(orders[s])
+      )
       raise ValueError(
         f"The schedule deadlocks at tick {len(ticks)}: no stage can proceed ({waiting})."
       )
@@ -743,8 +793,38 @@ def schedule_from_ticks(
     num_act_slots=num_act,
     num_grad_slots=num_grad,
   )
-  check_schedule(schedule)
+  try:
+    check_schedule(schedule)
+  except AssertionError as e:
+    raise ValueError(str(e)) from None
   return schedule
+
+
+def _check_tables(schedule: Schedule) -> None:
+  """The tables' shapes, and every slot within the buffers the schedule declares."""
+  P, T = schedule.stages, schedule.num_ticks
+  for what in ("action", "microbatch", "chunk", *_SLOT_BUFFERS):
+    shape = np.shape(getattr(schedule, what))
+    if shape != (T, P):
+      raise AssertionError(f"Schedule.{what} has shape {shape}, not (ticks, stages) = {(T, P)}")
+  for what, buffer in _SLOT_BUFFERS.items():
+    slots, size = np.asarray(getattr(schedule, what)), getattr(schedule, buffer)
+    bad = np.argwhere((slots < -1) | (slots >= size))
+    if len(bad):
+      t, s = (int(x) for x in bad[0])
+      raise AssertionError(
+        f"tick {t}, stage {s}: Schedule.{what} is {int(slots[t, s])}, outside the "
+        f"{buffer}={size} slots (-1 for none)"
+      )
+
+
+#: Each slot table and the buffer it indexes.
+_SLOT_BUFFERS = {
+  "act_slot": "num_act_slots",
+  "recv_act_slot": "num_act_slots",
+  "grad_slot": "num_grad_slots",
+  "recv_grad_slot": "num_grad_slots",
+}
 
 
 def _check_actions(schedule: Schedule) -> dict[tuple[int, int, int], int]:
@@ -831,8 +911,11 @@ def check_schedule(schedule: Schedule) -> None:
   that nothing is overwritten while still needed.
 
   Raises:
-    AssertionError: naming the first violated dependency or misdelivered message.
+    AssertionError: naming the first violated dependency or misdelivered message,
+      or a table of the wrong shape or a slot outside the buffers the schedule
+      declares.
   """
+  _check_tables(schedule)
   _check_actions(schedule)
   P, G, K = schedule.stages, schedule.model_stages, schedule.exchange_every
   stash = np.full((P, schedule.num_act_slots, 2), -1)

@@ -100,6 +100,7 @@ def from_csv(
     (2, 2, 0.143)
   """
   _check_positive("exchange_every", exchange_every)
+  text = text.removeprefix("\ufeff")  # (the byte-order mark spreadsheets write first)
   rows = [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
   while rows and rows[-1] in ([], [""]):  # (trailing blank lines: a row of commas is a row)
     rows.pop()

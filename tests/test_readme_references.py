@@ -1,0 +1,43 @@
+"""Every test the README names as evidence exists: a renamed or removed test is a broken claim."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _defined_tests() -> dict[str, set[str]]:
+  return {
+    path.name: set(re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE))
+    for path in (ROOT / "tests").glob("test_*.py")
+  }
+
+
+def test_every_test_the_readme_names_is_defined():
+  defined = _defined_tests()
+  everywhere = set().union(*defined.values())
+  modules = {name.removesuffix(".py") for name in defined}
+  named = set(re.findall(r"\b(test_\w+)", README)) - modules
+  assert named, "the README names no tests"
+  assert sorted(named - everywhere) == []
+  for module, name in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", README):
+    assert name in defined[module], f"tests/{module}::{name}"
+
+
+def test_every_parametrized_test_id_the_readme_names_is_collected():
+  ids = sorted(set(re.findall(r"tests/test_\w+\.py::test_\w+\[[^\]\s`]+\]", README)))
+  assert ids
+  out = subprocess.run(
+    [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids],
+    cwd=ROOT,
+    check=False,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  collected = set(out.stdout.split())
+  assert [i for i in ids if i not in collected] == [], out.stdout[-3000:]
