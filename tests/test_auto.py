@@ -351,6 +351,17 @@ def test_a_custom_strategy_on_its_own_axis_pays_its_gradient_traffic():
   assert custom.problem == ""
 
 
+def test_the_batch_is_the_larger_of_the_samples_given_to_init():
+  # A one-row sample of the inputs beside a whole sample batch measured every candidate
+  # at batch 1, where no data-parallel layout splits it.
+  model = hk.transform(lambda tokens: hk.Linear(7)(hk.Embed(7, 8)(tokens)))
+  tokens = np.zeros((8, 5), np.int32)
+  auto = parstrat.Auto(devices=jax.devices()[:2], candidates=("data_parallel",), verbose=False)
+  options = dict(loss_fn=lambda logits, labels: logits.mean(), sample_batch=(tokens, tokens))
+  (candidate,) = auto.measure(model, optax.sgd(0.1), tokens[:1], **options)
+  assert candidate.problem == "" and candidate.mesh == {"data": 2}
+
+
 def test_a_loss_over_other_labels_is_named_once_with_what_to_pass():
   model = hk.transform(lambda tokens: hk.Linear(7)(hk.Embed(7, 8)(tokens)))
 

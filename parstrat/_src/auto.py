@@ -418,7 +418,8 @@ class Auto(Strategy):
     memory_budget: bytes per device (an int or a size such as "512MiB");
       None: no limit.
     batch_size: the global batch `step` will get (default: the batch size of
-      the sample given to `init`).
+      the samples given to `init`, the larger of `sample_inputs` and
+      `sample_batch`).
     candidates: registered names to consider (default: every registered
       strategy that declares mesh axes).
     label_shape, label_dtype: the per-example shape and dtype of the labels
@@ -493,8 +494,9 @@ class Auto(Strategy):
     Args:
       model: an `hk.Transformed` or `hk.TransformedWithState`.
       optimizer: an optax optimizer.
-      sample_inputs: example model inputs, a pytree of `[B, ...]` arrays (B is
-        the batch size unless `batch_size` is set).
+      sample_inputs: example model inputs, a pytree of `[B, ...]` arrays (B,
+        or the `sample_batch`'s if larger, is the batch size unless
+        `batch_size` is set).
       **trainer_options: `loss_fn`, `model_inputs`, `precision`, `accumulate`,
         as for the trainer, and `sample_batch` as for `init`.
 
@@ -549,7 +551,11 @@ class Auto(Strategy):
     that does not split) come back with `problem` saying why.
     """
     devices = available_devices(self.devices)
-    batch = self.batch_size or int(jax.tree.leaves(sample_inputs)[0].shape[0])
+    batch = self.batch_size or max(
+      int(jax.tree.leaves(sample)[0].shape[0])
+      for sample in (sample_inputs, sample_batch)
+      if sample is not None
+    )
     sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
     abstract_params, abstract_state = jax.eval_shape(
       as_stateful(model).init, jax.random.key(0), sample
