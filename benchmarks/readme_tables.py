@@ -67,8 +67,9 @@ def row_table(strategies: dict) -> str:
   for name, row in strategies["rows"].items():
     bubble = ""
     if "bubble_scheduled" in row:
+      theory = row["bubble_theory"]  # (None where the papers' formula does not hold)
       bubble = (
-        f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f}), "
+        f"{row['bubble_scheduled']:.3f} ({'n/a' if theory is None else f'{theory:.3f}'}), "
         f"{row['bubble_lockstep']:.3f}, {row['bubble_measured']:.3f}"
       )
     lines.append(

@@ -605,9 +605,9 @@ def main():
   for name, row in block["rows"].items():
     bubble = ""
     if "bubble_scheduled" in row:
-      measured = row["bubble_measured"]
+      measured, theory = row["bubble_measured"], row["bubble_theory"]
       bubble = (
-        f"{row['bubble_scheduled']:.3f} ({row['bubble_theory']:.3f}) "
+        f"{row['bubble_scheduled']:.3f} ({'n/a' if theory is None else f'{theory:.3f}'}) "
         f"{row['bubble_lockstep']:.3f} " + (f"{measured:.3f}" if measured is not None else "n/a")
       )
     print(

@@ -418,6 +418,18 @@ def test_check_schedule_names_tables_of_the_wrong_shape_and_slots_outside_the_bu
     pipeline.check_schedule(dataclasses.replace(schedule, num_act_slots=2))
   with pytest.raises(AssertionError, match=r"Schedule.grad_slot has shape \(21, 4\), not"):
     pipeline.check_schedule(dataclasses.replace(schedule, grad_slot=schedule.grad_slot[1:]))
+  # Float tables and sizes failed raw (IndexError, TypeError) or reached the engine.
+  with pytest.raises(
+    AssertionError, match=r"Schedule.act_slot must hold integers, got dtype float"
+  ):
+    pipeline.check_schedule(dataclasses.replace(schedule, act_slot=schedule.act_slot * 1.0))
+  with pytest.raises(AssertionError, match=r"Schedule.microbatch must hold integers"):
+    pipeline.check_schedule(dataclasses.replace(schedule, microbatch=schedule.microbatch + 0.3))
+  for size in ("num_act_slots", "exchange_every"):
+    with pytest.raises(
+      AssertionError, match=rf"Schedule.{size} must be a positive integer, got 2.0"
+    ):
+      pipeline.check_schedule(dataclasses.replace(schedule, **{size: 2.0}))
 
 
 def test_schedule_checks_hold_under_python_optimize():

@@ -332,9 +332,9 @@ class Schedule:
   def theoretical_bubble(self) -> float | None:
     """The idle share the schedule's paper gives (`THEORY`).
 
-    None for a table `build_schedule` did not make (imported, or edited, even
-    under a built-in name), and for sizes the formula does not cover (ZB-H1's
-    holds for M >= P).
+    None for a table whose passes `build_schedule` did not lay out (imported,
+    or edited, even under a built-in name; the slots are not compared), and for
+    sizes the formula does not cover (ZB-H1's holds for M >= P).
     """
     theory = THEORY.get(self.name)
     if not (self._is_built() and theory.holds(self.stages, self.microbatches)):
@@ -801,12 +801,27 @@ def schedule_from_ticks(
 
 
 def _check_tables(schedule: Schedule) -> None:
-  """The tables' shapes, and every slot within the buffers the schedule declares."""
+  """The sizes, the tables' shapes and dtypes, and every slot within its buffer."""
+  for what in (
+    "stages",
+    "microbatches",
+    "virtual_stages",
+    "exchange_every",
+    *_SLOT_BUFFERS.values(),
+  ):
+    size = getattr(schedule, what)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+      raise AssertionError(f"Schedule.{what} must be a positive integer, got {size!r}")
   P, T = schedule.stages, schedule.num_ticks
   for what in ("action", "microbatch", "chunk", *_SLOT_BUFFERS):
-    shape = np.shape(getattr(schedule, what))
+    table = getattr(schedule, what)
+    shape = np.shape(table)
     if shape != (T, P):
       raise AssertionError(f"Schedule.{what} has shape {shape}, not (ticks, stages) = {(T, P)}")
+    if not np.issubdtype(np.asarray(table).dtype, np.integer):
+      raise AssertionError(
+        f"Schedule.{what} must hold integers, got dtype {np.asarray(table).dtype}"
+      )
   for what, buffer in _SLOT_BUFFERS.items():
     slots, size = np.asarray(getattr(schedule, what)), getattr(schedule, buffer)
     bad = np.argwhere((slots < -1) | (slots >= size))
