@@ -61,6 +61,15 @@ PER_LEAF = {
     optax.masked(optax.scale_by_adam(), _decay_mask),
     optax.scale_by_learning_rate(optax.linear_schedule(0.0, 1e-3, 100, transition_begin=50)),
   ),
+  # MultiSteps wrapped where the probe cannot reach its inner optimizer: nothing moves
+  # the params before step 4, past the probe's first 3 (these were let through).
+  "MultiSteps of LAMB under apply_if_finite": optax.apply_if_finite(
+    optax.MultiSteps(optax.lamb(1e-2), every_k_schedule=4), 3
+  ),
+  "MultiSteps of LAMB chained after clipping": optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.MultiSteps(optax.lamb(1e-2), every_k_schedule=4).gradient_transformation(),
+  ),
   # Clips only leaves whose RMS exceeds 10: none when every value is about 1.
   "block rms clipping": optax.chain(optax.clip_by_block_rms(10.0), optax.sgd(0.1)),
 }
@@ -73,6 +82,9 @@ ELEMENT_WISE = {
   "multisteps": optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
   "adamw with a warmup from 0": optax.adamw(optax.linear_schedule(0.0, 1e-3, 100)),
   "lion": optax.lion(1e-3),
+  "multisteps under apply_if_finite": optax.apply_if_finite(
+    optax.MultiSteps(optax.adam(1e-3), every_k_schedule=5), 3
+  ),
 }
 
 FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]

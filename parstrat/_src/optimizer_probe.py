@@ -31,9 +31,14 @@ def _same_layout(plan, abstract_params) -> bool:
   ) == shapes(abstract_params)
 
 
-#: Steps the probe runs: some per-leaf behaviour shows only after the first
-#: (a learning-rate warmup from 0, `MultiSteps` accumulating before it applies).
+#: Updates that move the params the probe compares: some per-leaf behaviour
+#: shows only after the first (a learning-rate warmup from 0).
 STEPS = 3
+
+#: The most steps the probe runs to see `STEPS` updates that move the params: an
+#: optimizer may apply nothing for a while (`MultiSteps` accumulating, inside
+#: another wrapper where the probe cannot reach its inner optimizer).
+MAX_STEPS = 64
 
 #: Leaf `i`'s probe values are scaled by `SCALES[i % 3]`, so per-leaf norms and
 #: clipping thresholds (trust ratios, `clip_by_block_rms`) differ between leaves
@@ -45,11 +50,15 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   """Refuses `optimizer` when it would act differently on the plan's stored layout.
 
   Nothing is run when the plan stores the model's own layout. Otherwise the
-  optimizer runs `STEPS` updates from random params on the model's layout and
-  on the stored one (random gradients, every leaf at its own scale); the updates and
-  the optimizer states (the stored one mapped back to the model's layout) must
-  agree after every step. The inner optimizer of `optax.MultiSteps` is probed
-  too.
+  optimizer runs updates from random params on the model's layout and on the
+  stored one (random gradients, every leaf at its own scale) until `STEPS` of
+  them have moved the params (at least `STEPS`, at most `MAX_STEPS` updates);
+  the updates and the optimizer states (the stored one mapped back to the
+  model's layout) must agree after every step. The inner optimizer of an
+  `optax.MultiSteps` given as the optimizer is probed too. A per-leaf
+  transform that first acts after `MAX_STEPS` updates, inside a wrapper the
+  probe cannot open (e.g. `MultiSteps` with k > 61 under `apply_if_finite`),
+  is not detected.
 
   The probe runs on the host's CPU device with full-size values: about STEPS
   optimizer updates, and host memory for a few copies of the params (params,
@@ -128,9 +137,13 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
     got_state = init(stored)
   except Exception as e:  # noqa: BLE001 - any failure on the flat layout is the answer
     return f"on the flat layout it fails: {type(e).__name__}: {first_line(e)}"
-  for step in range(STEPS):
+  moved = 0
+  for step in range(MAX_STEPS):
+    if step >= STEPS and moved >= STEPS:
+      break
     grads = draw()
     want, want_state = update(grads, want_state, params)
+    moved += any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(want))
     try:
       got, got_state = update(to_stored(grads), got_state, stored)
     except Exception as e:  # noqa: BLE001
