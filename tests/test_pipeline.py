@@ -20,6 +20,7 @@ from parstrat import pipeline
 from parstrat._src import hlo_check
 from parstrat._src.pipeline import backward_split
 from parstrat._src.pipeline import engine
+from parstrat._src.pipeline import partition
 
 
 def _abstract(model, features=784):
@@ -84,6 +85,29 @@ def test_balance_by_flops_and_manual_cuts():
   assert max(by_flops.stage_flops()) == by_flops.layers[0].flops
   manual = pipeline.plan_stages(_apply(DEEP_MLP), params, x, 3, cuts=(1, 7))
   assert manual.stage_layers == ((0,), tuple(range(1, 7)), (7,))
+
+
+def test_convolutions_count_their_multiply_adds():
+  # A convolution counted 1 FLOP per output element: a conv net's flops balance cut its
+  # stages as if its convolutions cost nothing, and "auto" priced its compute at ~0.
+  def conv(dimension_numbers, padding="VALID", groups=1):
+    return lambda x, w: lax.conv_general_dilated(
+      x, w, (1, 1), padding, dimension_numbers=dimension_numbers, feature_group_count=groups
+    )
+
+  x, w = jnp.ones((2, 9, 9, 16)), jnp.ones((3, 3, 16, 32))
+  for f, args in [
+    (conv(("NHWC", "HWIO", "NHWC")), (x, w)),
+    (conv(("NCHW", "OIHW", "NCHW")), (x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1))),
+    (conv(("NHWC", "HWIO", "NHWC"), groups=4), (x, w[:, :, :4])),
+  ]:
+    (eqn,) = jax.make_jaxpr(f)(*args).jaxpr.eqns
+    cost = jax.jit(f).lower(*args).compile().cost_analysis()
+    xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert partition._eqn_flops(eqn) == partition._eqn_flops(eqn, only_dots=True) == xla > 0
+  # With padding, XLA leaves out the taps on the padding; the count is the upper bound.
+  (eqn,) = jax.make_jaxpr(conv(("NHWC", "HWIO", "NHWC"), "SAME"))(x, w).jaxpr.eqns
+  assert partition._eqn_flops(eqn) == 2 * (2 * 9 * 9 * 32) * (3 * 3 * 16)
 
 
 def test_time_major_activations_are_not_cut():

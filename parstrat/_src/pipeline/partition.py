@@ -289,7 +289,10 @@ def _sink_parameter_math(eqns: Sequence[Any], sources: Sequence[Any]) -> list[An
 
 
 def _eqn_flops(eqn, *, only_dots: bool = False) -> int:
-  """2 per multiply-add of a `dot_general`, else 1 per output element (0 with `only_dots`)."""
+  """2 per multiply-add of a `dot_general` or convolution, else 1 per output element.
+
+  With `only_dots`, the matmuls' and convolutions' alone: what `dots_saveable` keeps.
+  """
   if not eqn.outvars:  # e.g. a debug callback
     return 0
   out = eqn.outvars[0].aval
@@ -298,6 +301,11 @@ def _eqn_flops(eqn, *, only_dots: bool = False) -> int:
     (lhs_contract, _), _ = eqn.params["dimension_numbers"]
     lhs_shape = eqn.invars[0].aval.shape
     return 2 * size * int(np.prod([lhs_shape[d] for d in lhs_contract]))
+  if eqn.primitive.name == "conv_general_dilated":
+    # Each output element takes one kernel slice: the kernel's size over its outputs.
+    kernel = eqn.invars[1].aval.shape
+    outputs = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2 * size * (int(np.prod(kernel)) // outputs)
   inner = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr)]
   if inner:
     return sum(_eqn_flops(e, only_dots=only_dots) for e in inner[0].jaxpr.eqns)
