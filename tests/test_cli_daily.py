@@ -616,19 +616,32 @@ def test_the_logged_learning_rate_is_the_one_each_update_used(tmp_path, monkeypa
 
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():
   class OneHotOfInputs:  # a "trainer" whose outputs predict each input token itself
+    def __init__(self):
+      self.pieces = []
+
     def apply(self, state, tokens):
+      self.pieces.append(np.asarray(tokens))
       return np.eye(5, dtype=np.float32)[np.asarray(tokens)]
 
   tokens = np.array([[1, 2, 3], [0, 0, 0], [4, 4, 4]], np.int32)
   labels = tokens.copy()
-  labels[0, 0] = 2  # 8 of 9 tokens right; pieces of 2 rows, the last one padded
-  accuracy = run_data.eval_accuracy(OneHotOfInputs(), None, [(tokens, labels)], 2, slice(None))
+  labels[0, 0] = 2  # 8 of 9 tokens right; pieces of 2 rows, the last one short
+  trainer = OneHotOfInputs()
+  accuracy = run_data.eval_accuracy(trainer, None, [(tokens, labels)], 2, slice(None))
   assert accuracy == pytest.approx(8 / 9)
+  # The short piece is filled with the row before it, not zeros: a model whose outputs
+  # depend on the piece (BatchNorm in training mode) sees only real rows.
+  np.testing.assert_array_equal(np.concatenate(trainer.pieces), tokens[[0, 1, 1, 2]])
   # [B] labels: the share of examples (a one-token "sequence" per example).
   accuracy = run_data.eval_accuracy(
     OneHotOfInputs(), None, [(tokens[:, 0], np.array([1, 1, 4]))], 2, slice(None)
   )
   assert accuracy == pytest.approx(2 / 3)
+  # A batch smaller than a piece is filled with its own rows again.
+  trainer = OneHotOfInputs()
+  accuracy = run_data.eval_accuracy(trainer, None, [(tokens[:2], labels[:2])], 4, slice(None))
+  assert accuracy == pytest.approx(5 / 6)
+  np.testing.assert_array_equal(trainer.pieces[0], tokens[[0, 1, 0, 1]])
 
 
 def test_the_lm_example_trains_from_the_command_line(tmp_path, capsys):

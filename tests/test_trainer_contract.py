@@ -379,6 +379,42 @@ def test_batch_norm_trains_under_data_parallel_and_replicas_agree():
   assert any(jax.tree.leaves(moved)), "BatchNorm's moving averages never changed"
 
 
+def test_a_batch_norm_model_is_evaluated_with_its_moving_averages_by_its_inference_transform():
+  # trainer.apply runs the model as it trains (is_training=True: the batch's statistics).
+  # The README's inference path: the same model with is_training=False, applied to
+  # trainer.params(state) and state.model_state.
+  def inference(x):
+    h = hk.BatchNorm(create_scale=True, create_offset=True, decay_rate=0.9)(
+      hk.Linear(16)(x), is_training=False
+    )
+    return hk.Linear(CLASSES)(jax.nn.relu(h))
+
+  images, labels = parstrat.testing.random_batches(3, 16, features=8)
+  trainer = parstrat.FSDP(data=4)(BATCH_NORM, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  params, model_state = BATCH_NORM.init(jax.random.key(0), images[0][:1])
+
+  @jax.jit
+  def jit_step(params, model_state, x, y):  # the same training on one device
+    def loss(p):
+      logits, new_state = BATCH_NORM.apply(p, model_state, None, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
+
+    grads, new_state = jax.grad(loss, has_aux=True)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), new_state
+
+  for x, y in zip(images, labels, strict=True):
+    state, _ = trainer.step(state, (x, y))
+    params, model_state = jit_step(params, model_state, x, y)
+  evaluated, _ = hk.transform_with_state(inference).apply(
+    trainer.params(state), state.model_state, None, images[0]
+  )
+  expected, _ = hk.transform_with_state(inference).apply(params, model_state, None, images[0])
+  np.testing.assert_allclose(evaluated, expected, rtol=1e-5, atol=1e-6)
+  # ... which differs from trainer.apply's training-mode statistics.
+  assert not np.allclose(evaluated, trainer.apply(state, images[0]), atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["tensor", "pipeline", "hybrid"])
 def test_other_layouts_refuse_state_naming_the_strategy(name):
   trainer = STRATEGIES[name](RUNNING_MEAN, optax.sgd(0.1))

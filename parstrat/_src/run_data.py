@@ -232,9 +232,12 @@ def eval_accuracy(
 
   Every label counts once: with `[B]` labels it is the share of examples, with
   `[B, T]` labels (a sequence model) the share of tokens predicted right.
-  Each batch is cut into pieces of `batch_size`; the last piece is padded with
-  zeros (padding is not counted). With several processes, each passes its own
-  `rows` and the outputs are gathered.
+  Each batch is cut into pieces of `batch_size`. The last one, if shorter, is
+  filled with the rows before it (counted once), or, in a batch smaller than a
+  piece, with its own rows again: no made-up rows enter the model, whose
+  outputs may depend on the whole piece (BatchNorm in training mode; zeros
+  moved its statistics). With several processes, each passes its own `rows`
+  and the outputs are gathered.
 
   A model that draws randomness (`hk.next_rng_key()`, as dropout does) is
   evaluated as it trains, with a key folded from `rng` (then required) for each piece.
@@ -256,12 +259,11 @@ def eval_accuracy(
     for start in range(0, len(labels), batch_size):
       y = labels[start : start + batch_size]
       n = len(y)
+      begin = max(0, start + n - batch_size)  # the piece's first row: counted rows fill it
 
-      def piece(x, start=start, n=n):
-        x = np.asarray(x)[start : start + n]
-        if n < batch_size:
-          x = np.concatenate([x, np.zeros((batch_size - n, *x.shape[1:]), x.dtype)])
-        return x[rows]
+      def piece(x, begin=begin, end=start + n):
+        x = np.asarray(x)[begin:end]
+        return np.take(x, np.arange(batch_size) % len(x), axis=0)[rows]
 
       x = jax.tree.map(piece, inputs)
       if getattr(trainer, "uses_rng", False):  # dropout: a key of its own per piece
@@ -273,7 +275,8 @@ def eval_accuracy(
       else:
         outputs = trainer.apply(state, x)
       pieces += 1
-      outputs = np.asarray(multihost_utils.process_allgather(outputs, tiled=True))[:n]
+      outputs = np.asarray(multihost_utils.process_allgather(outputs, tiled=True))
+      outputs = outputs[start - begin : start - begin + n]
       if outputs.shape[:-1] != y.shape:
         return None
       correct += int(np.sum(outputs.argmax(-1) == y))
