@@ -1,7 +1,10 @@
 """Per-leaf optimizer transforms: exact where the model's leaves are kept, refused on flat ones."""
 
+import dataclasses
+
 import haiku as hk
 import jax
+import jax.flatten_util
 import numpy as np
 import optax
 import pytest
@@ -103,6 +106,35 @@ def test_per_leaf_transforms_are_refused_on_flat_stage_buffers(strategy, name):
   message = str(e.value)
   assert message.startswith(f"{strategy!r} stores each pipeline stage's parameters as one flat")
   assert "not supported on that flat layout: use data_parallel, fsdp or tensor" in message
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _OwnLayout(parstrat.DataParallel):
+  """Data parallelism storing the params in a layout of its own: one vector, scaled."""
+
+  scale_back: float = 2.0
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), sample_params)
+    unravel = jax.flatten_util.ravel_pytree(zeros)[1]
+    return dataclasses.replace(
+      plan,
+      to_stored=lambda p: 2.0 * jax.flatten_util.ravel_pytree(p)[0],
+      to_params=lambda s: unravel(s / self.scale_back),
+    )
+
+
+def test_a_layout_of_ones_own_is_named_as_such_and_must_round_trip():
+  # A custom plan's layout got the pipeline's message ("each pipeline stage's ... flat
+  # buffer"), and one whose to_params did not undo to_stored a misleading one.
+  with pytest.raises(ValueError, match=r"stores the parameters in a layout of its own \(its plan"):
+    _init(_OwnLayout(data=2), PER_LEAF["lamb"])
+  with pytest.raises(
+    ValueError,
+    match=r"to_params\(to_stored\(params\)\) changes params\['layer_norm'\]\['offset'\]; the",
+  ):
+    _init(_OwnLayout(data=2, scale_back=3.0), optax.sgd(0.1))
 
 
 def test_the_haiku_name_mask_failure_is_reported():

@@ -5,7 +5,9 @@ import subprocess
 import sys
 import textwrap
 
+import haiku as hk
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from jax import lax
@@ -169,6 +171,71 @@ def test_catches_a_recompile_every_step():
 def test_catches_a_forward_pass_unlike_the_model():
   with pytest.raises(AssertionError, match=r"trainer.apply differs from model.apply on trainer"):
     parstrat.testing.check_strategy(GarbageForward(), optimizers=[optax.sgd(0.1)], **KIT)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class ForwardOfEveryRowTwice(DataParallelOnFour):
+  """Trains like data parallelism, but its forward pass returns each output twice."""
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
+    twice = lambda *args: jnp.concatenate([plan.forward(*args)] * 2)  # noqa: E731
+    return dataclasses.replace(plan, forward=twice)
+
+
+def test_names_an_output_of_another_shape_rather_than_failing_raw():
+  # (numpy's "operands could not be broadcast" escaped the kit)
+  with pytest.raises(
+    AssertionError,
+    match=r"at outputs\(the array\) \(shape \(32, 10\), not the reference's \(16, 10\)\)",
+  ):
+    parstrat.testing.check_strategy(ForwardOfEveryRowTwice(), optimizers=[optax.sgd(0.1)], **KIT)
+
+
+def test_passes_fsdp_with_outputs_that_have_no_batch_axis():
+  # fsdp returns a scalar and a time-major output whole (README); the kit's check that
+  # outputs are split like the batch failed it on both, and could never fail otherwise.
+  def model(x):
+    h = hk.nets.MLP([16, 10])(x)
+    return {"logits": h, "aux": jnp.mean(h), "time_major": jnp.stack([h, 2 * h])}
+
+  def loss(outputs, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(outputs["logits"], labels).mean()
+
+  parstrat.testing.check_strategy(
+    parstrat.FSDP(data=4), hk.transform(model), [optax.sgd(0.1)], loss_fn=loss, **KIT
+  )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class _PlanWith(DataParallelOnFour):
+  """Data parallelism whose plan is changed by `edit` (None: make_plan returns None)."""
+
+  edit: dict | None = None
+
+  def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+    plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
+    return None if self.edit is None else dataclasses.replace(plan, **self.edit)
+
+
+@pytest.mark.parametrize(
+  "edit, error, message",
+  [
+    (None, TypeError, r"_PlanWith\(\).make_plan returned NoneType, not a parstrat.Plan"),
+    (
+      {"batch_spec": P("dat")},
+      ValueError,
+      r"its batch_spec P\('dat',\) names the axis 'dat', which the mesh does not "
+      r"have \(its axes: 'data'\)",
+    ),
+    ({"batch_multiple": 0}, ValueError, "batch_multiple must be a positive integer, got 0"),
+  ],
+)
+def test_a_plan_that_is_not_one_is_named_at_init(edit, error, message):
+  # (AttributeError on None in the optimizer probe; KeyError: 'dat' at the first step)
+  trainer = _PlanWith(edit=edit)(parstrat.testing.seed_mlp(), optax.sgd(0.1))
+  with pytest.raises(error, match=message):
+    trainer.init(jax.random.key(0), jnp.zeros((1, 784)))
 
 
 def test_catches_a_wrong_grad_norm():

@@ -74,7 +74,8 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
 
   Raises:
     ValueError: if the updates or states differ, or the optimizer fails on the
-      stored layout (e.g. a mask function that reads Haiku module names).
+      stored layout (e.g. a mask function that reads Haiku module names); or if
+      the plan's `to_params` does not give back what its `to_stored` took.
 
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
@@ -91,16 +92,22 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   # On the host's CPU device: never an accelerator's memory, and always one of
   # this process's own devices (jax.devices()[0] is not, in a multi-process run).
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
-    detail = _difference(optimizer, plan, abstract_params)
+    detail = _difference(optimizer, plan, abstract_params, strategy)
     # `optax.MultiSteps` applies nothing before its k-th step, which may be
     # later than the probe's last: its inner optimizer is probed as well.
     inner = getattr(optimizer, "inner_opt", None)
     if not detail and inner is not None:
-      detail = _difference(inner, plan, abstract_params)
+      detail = _difference(inner, plan, abstract_params, strategy)
       detail = detail and f"inside MultiSteps, {detail}"
   if detail:
+    pipeline = "stage" in getattr(strategy, "axis_names", ())
+    stores = (
+      "each pipeline stage's parameters as one flat buffer"
+      if pipeline
+      else "the parameters in a layout of its own (its plan's to_stored), not the model's"
+    )
     raise ValueError(
-      f"{strategy!r} stores each pipeline stage's parameters as one flat buffer, and the "
+      f"{strategy!r} stores {stores}, and the "
       f"optimizer does not act leaf by leaf ({detail}). Per-leaf transforms (masks such as "
       "optax.adamw(mask=...), optax.masked, optax.multi_transform, LARS/LAMB trust ratios) "
       "are not supported on that flat layout: use data_parallel, fsdp or tensor, which keep "
@@ -109,8 +116,29 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
     )
 
 
-def _difference(optimizer, plan, abstract_params: Any) -> str | None:
-  """What differs between the optimizer on the model's layout and on the stored one."""
+def _check_round_trip(params: Any, back: Any, strategy: Any) -> None:
+  """Raises a ValueError unless `back`, the params stored and read back, is `params`."""
+  if jax.tree.structure(back) != jax.tree.structure(params):
+    raise ValueError(
+      f"{strategy!r}'s plan: to_params(to_stored(params)) has the structure "
+      f"{jax.tree.structure(back)}, not the params' {jax.tree.structure(params)}; the two "
+      "functions must be inverses."
+    )
+  flat = jax.tree_util.tree_leaves_with_path(params)
+  for (path, a), b in zip(flat, jax.tree.leaves(back), strict=True):
+    if np.shape(a) != np.shape(b) or not np.array_equal(a, b):
+      raise ValueError(
+        f"{strategy!r}'s plan: to_params(to_stored(params)) changes params"
+        f"{jax.tree_util.keystr(path)}; the two functions must be inverses."
+      )
+
+
+def _difference(optimizer, plan, abstract_params: Any, strategy: Any) -> str | None:
+  """What differs between the optimizer on the model's layout and on the stored one.
+
+  Raises:
+    ValueError: if the plan's `to_params` does not give back what `to_stored` took.
+  """
   rng = np.random.default_rng(0)
   leaves, treedef = jax.tree.flatten(abstract_params)
 
@@ -132,6 +160,7 @@ def _difference(optimizer, plan, abstract_params: Any) -> str | None:
   apply_updates = jax.jit(optax.apply_updates)
   params = draw()
   stored = to_stored(params)
+  _check_round_trip(params, to_params(stored), strategy)
   want_state = init(params)
   try:
     got_state = init(stored)

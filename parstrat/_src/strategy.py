@@ -171,6 +171,36 @@ class Plan:
   branch_axes: tuple[str, ...] | None = None
 
 
+def _check_plan(plan: Any, strategy: Any, mesh: Mesh) -> None:
+  """Refuses what `make_plan` returned unless it is a `Plan` over `mesh`'s axes.
+
+  Raises:
+    TypeError: if it is not a `Plan`.
+    ValueError: naming a spec's axis the mesh does not have, or a bad `batch_multiple`.
+  """
+  if not isinstance(plan, Plan):
+    raise TypeError(f"{strategy!r}.make_plan returned {type(plan).__name__}, not a parstrat.Plan.")
+  specs = {"batch_spec": plan.batch_spec}
+  for field in ("param_spec", "grad_spec", "opt_spec"):
+    specs[field] = getattr(plan, field)
+  for field, tree in specs.items():
+    for spec in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P)):
+      if not isinstance(spec, P):
+        continue
+      for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+          if name is not None and name not in mesh.axis_names:
+            raise ValueError(
+              f"{strategy!r}'s plan: its {field} {spec} names the axis {name!r}, which "
+              f"the mesh does not have (its axes: {', '.join(map(repr, mesh.axis_names))})."
+            )
+  multiple = plan.batch_multiple
+  if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
+    raise ValueError(
+      f"{strategy!r}'s plan: batch_multiple must be a positive integer, got {multiple!r}."
+    )
+
+
 def model_loss(model: hk.TransformedWithState, loss_fn: LossFn) -> Callable[..., Any]:
   """`(params, inputs, targets, rng, model_state) -> (loss, model_state)` of one (micro)batch.
 
@@ -740,6 +770,7 @@ class Trainer:
         "state. Use data_parallel or fsdp."
       )
     plan = strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
+    _check_plan(plan, strategy, self.mesh)
     optimizer_probe.check_layout(self.optimizer, plan, abstract_params, strategy)
     param_shardings = self._shardings(plan.param_spec)
     stored = jax.eval_shape(plan.to_stored, abstract_params)

@@ -21,7 +21,6 @@ from parstrat._src import precision as precision_lib
 from parstrat._src import registry
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Strategy
-from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import softmax_cross_entropy
 
@@ -204,26 +203,31 @@ def reference_run(
 
 
 def _first_divergence(params: Any, reference: Any, rtol: float, atol: float) -> tuple[str, float]:
+  """The first leaf of `params` not close to `reference`'s ("" if none), and the largest diff.
+
+  A leaf of another shape, or a tree of another structure, is named as such.
+  """
+  if jax.tree.structure(params) != jax.tree.structure(reference):
+    return (
+      f" the tree's structure: {jax.tree.structure(params)}, not the reference's "
+      f"{jax.tree.structure(reference)}",
+      float("inf"),
+    )
   worst_name, worst = "", 0.0
   flat = jax.tree_util.tree_leaves_with_path(params)
   flat_ref = jax.tree.leaves(reference)
   for (path, leaf), ref in zip(flat, flat_ref, strict=True):
     a, b = np.asarray(leaf, np.float64), np.asarray(ref, np.float64)
+    name = jax.tree_util.keystr(path) or "(the array)"
+    if a.shape != b.shape:
+      worst_name = worst_name or f"{name} (shape {a.shape}, not the reference's {b.shape})"
+      worst = float("inf")
+      continue
     diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     if not np.allclose(a, b, rtol=rtol, atol=atol) and not worst_name:
-      worst_name = jax.tree_util.keystr(path) or "(the array)"
+      worst_name = name
     worst = max(worst, diff)
   return worst_name, worst
-
-
-def _check_batch_split(trainer: Trainer, outputs: Any) -> None:
-  expected = jax.sharding.NamedSharding(trainer.mesh, trainer.plan.batch_spec)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(outputs):
-    if not leaf.sharding.is_equivalent_to(expected, leaf.ndim):
-      raise AssertionError(
-        f"The batch was not split as the plan says: outputs{jax.tree_util.keystr(path)} are "
-        f"laid out as {leaf.sharding}, the plan's batch_spec is {trainer.plan.batch_spec}."
-      )
 
 
 def check_strategy(
@@ -255,8 +259,10 @@ def check_strategy(
   norm of the batch's gradient), the final params (in the model's layout)
   and model state must match the reference within `rtol`/`atol`; and
   `trainer.apply` on the first batch's inputs must give what `model.apply`
-  gives on `trainer.params(state)`, split over the mesh as the plan's
-  `batch_spec` says.
+  gives on `trainer.params(state)` (same structure and shapes, within
+  `rtol`/`atol`). The model state is checked only for a model that has one:
+  the default model has none, so pass a stateful model to check a strategy
+  that declares `supports_state`.
 
   A model that draws randomness gets the same keys as the reference only
   where the layout computes on the whole batch at once (fsdp, tensor); under
@@ -354,7 +360,6 @@ def check_strategy(
       model_state = state.model_state  # replicated
       apply_key = jax.random.key(seed + 1)
       outputs = trainer.apply(state, first_inputs, rng=apply_key)
-      _check_batch_split(trainer, outputs)
       expected_outputs = reference_apply(params, model_state, apply_key, first_inputs)[0]
     except AssertionError:
       raise
