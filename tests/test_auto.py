@@ -318,6 +318,34 @@ def test_tensor_that_splits_nothing_pays_full_compute_and_is_never_chosen(net):
   assert "redundant" in str(choice)
 
 
+def test_a_custom_strategy_auto_cannot_configure_is_listed_with_the_reason():
+  # It vanished from the table (or left "no candidate could be built" alone).
+  @parstrat.register("test_auto_no_field")
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class NoFieldForItsAxis(parstrat.Strategy):
+    axis_names = ("local",)
+
+    def make_mesh(self):
+      return parstrat.build_mesh({"local": len(self.devices or jax.devices())}, self.devices)
+
+    def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+      return global_plan(model, loss_fn, P(), P("local"), "params replicated, batch split")
+
+  try:
+    auto = parstrat.Auto(
+      devices=jax.devices()[:2], candidates=("data_parallel", "test_auto_no_field"), verbose=False
+    )
+    measured = auto.measure(wide_mlp(), optax.sgd(0.1), np.zeros((BATCH, FEATURES), np.float32))
+  finally:
+    parstrat.unregister("test_auto_no_field")
+  listed = by_label(measured)["test_auto_no_field []"]
+  assert listed.problem == (
+    "no configuration: no dataclass field 'local' or 'locals' takes the size of its axis "
+    "'local': add one, or override candidates_for"
+  )
+  assert "test_auto_no_field []" in str(auto_lib.rank(measured, None))
+
+
 def test_a_custom_strategy_on_its_own_axis_pays_its_gradient_traffic():
   @parstrat.register("test_auto_replica_axis")
   @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)

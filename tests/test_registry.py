@@ -52,6 +52,9 @@ def test_register_rejects_non_strategies_and_bad_names():
     parstrat.register("nope")(int)
   with pytest.raises(ValueError, match="non-empty string"):
     parstrat.register("")
+  for bad in (" mine", "my,strategy", "my strategy"):  # (--compare splits on commas)
+    with pytest.raises(ValueError, match=f"may not hold spaces or commas, got {bad!r}"):
+      parstrat.register(bad)
 
   class Unfinished(parstrat.Strategy):  # no make_plan
     def make_mesh(self):
@@ -69,3 +72,5 @@ def test_unknown_config_is_a_type_error():
     TypeError, match="'data_parallel' has no option 'stages'; its options are devices, debug, data"
   ):
     parstrat.get("data_parallel", stages=2)
+  with pytest.raises(TypeError, match=r"has no option 'dat'; .* Did you mean 'data'\?"):
+    parstrat.get("data_parallel", dat=4)

@@ -56,6 +56,7 @@ from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import available_devices
+from parstrat._src.strategy import axis_field
 from parstrat._src.strategy import outputs_fn
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -581,8 +582,10 @@ class Auto(Strategy):
       cls = registry.lookup(name)
       if getattr(cls, "deferred", False) or not cls.axis_names:
         continue
+      offered = False
       for mesh in enumerate_meshes(cls.axis_names, len(devices)):
         for strategy in cls.candidates_for(mesh, devices):
+          offered = True
           if self.debug and dataclasses.is_dataclass(strategy):
             strategy = dataclasses.replace(strategy, debug=True)
           candidate = Candidate(name, strategy, mesh)
@@ -635,6 +638,18 @@ class Auto(Strategy):
               **estimate,
             )
           )
+      missing = [axis for axis in cls.axis_names if axis_field(cls, axis) is None]
+      if not offered and missing:  # (listed: a strategy of one's own must not vanish)
+        measured.append(
+          Candidate(
+            name,
+            None,
+            {},
+            problem=f"no configuration: no dataclass field {missing[0]!r} or "
+            f"{missing[0] + 's'!r} takes the size of its axis {missing[0]!r}: add one, or "
+            "override candidates_for",
+          )
+        )
     return measured
 
 

@@ -25,7 +25,10 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
     A decorator that registers the class and returns it unchanged.
 
   Raises:
-    ValueError: if `name` is empty or taken and `overwrite` is False.
+    ValueError: if `name` is empty or holds spaces or commas, or is taken and
+      `overwrite` is False (a class of the same module and qualified name as
+      the registered one counts as the same class seen again, e.g. its module
+      reloaded, and replaces it).
     TypeError: if the decorated object is not a `parstrat.Strategy` subclass,
       or leaves an abstract method (`make_plan`) unimplemented.
 
@@ -40,6 +43,9 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
+  if name != name.strip() or "," in name or any(c.isspace() for c in name):
+    # (`parstrat train --compare a,b` splits names on commas and strips them)
+    raise ValueError(f"A strategy name may not hold spaces or commas, got {name!r}.")
 
   def decorator(cls: S) -> S:
     from parstrat._src.strategy import Strategy  # noqa: PLC0415 (import cycle)
@@ -124,9 +130,10 @@ def get(name: str, /, **config: Any):
     options = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(config) - set(options))
     if unknown:
+      close = difflib.get_close_matches(unknown[0], options, n=1)
       raise TypeError(
         f"Strategy {name!r} has no option {', '.join(map(repr, unknown))}; "
-        f"its options are {', '.join(options)}."
+        f"its options are {', '.join(options)}." + (f" Did you mean {close[0]!r}?" if close else "")
       )
   return cls(**config)
 

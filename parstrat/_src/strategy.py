@@ -171,6 +171,14 @@ class Plan:
   branch_axes: tuple[str, ...] | None = None
 
 
+def axis_field(cls: type, axis: str) -> str | None:
+  """The dataclass field of `cls` that takes mesh `axis`'s size: `axis`, or `axis` + "s"."""
+  fields = (
+    {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
+  )
+  return next((name for name in (axis, axis + "s") if name in fields), None)
+
+
 def _check_plan(plan: Any, strategy: Any, mesh: Mesh) -> None:
   """Refuses what `make_plan` returned unless it is a `Plan` over `mesh`'s axes.
 
@@ -468,14 +476,9 @@ class Strategy(abc.ABC):
     Returns:
       The strategies to measure (possibly none).
     """
-    fields = (
-      {f.name for f in dataclasses.fields(cls) if f.init}
-      if dataclasses.is_dataclass(cls)
-      else set()
-    )
     config = {}
     for axis, size in axis_sizes.items():
-      name = next((n for n in (axis, axis + "s") if n in fields), None)
+      name = axis_field(cls, axis)
       if name is None:
         return []
       config[name] = size
