@@ -88,6 +88,12 @@ ELEMENT_WISE = {
   "multisteps under apply_if_finite": optax.apply_if_finite(
     optax.MultiSteps(optax.adam(1e-3), every_k_schedule=5), 3
   ),
+  # The probe goes on to its first update: an average of 30 gradients, clipped, where
+  # Adam's eps turns rounding into 1e-4 differences (refused, at first).
+  "clip + multisteps of adam, k=30": optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.MultiSteps(optax.adam(1e-3), every_k_schedule=30).gradient_transformation(),
+  ),
 }
 
 FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]
