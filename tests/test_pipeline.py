@@ -105,6 +105,12 @@ def test_convolutions_count_their_multiply_adds():
     cost = jax.jit(f).lower(*args).compile().cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert partition._eqn_flops(eqn) == partition._eqn_flops(eqn, only_dots=True) == xla > 0
+  # A transposed convolution (input dilated by the stride) counts its taps on real rows.
+  transposed = lambda x, w: lax.conv_transpose(  # noqa: E731
+    x, w, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+  (eqn,) = jax.make_jaxpr(transposed)(x, w).jaxpr.eqns
+  assert partition._eqn_flops(eqn) == 2 * (2 * 19 * 19 * 32) * (3 * 3 * 16) // 4
   # With padding, XLA leaves out the taps on the padding; the count is the upper bound.
   (eqn,) = jax.make_jaxpr(conv(("NHWC", "HWIO", "NHWC"), "SAME"))(x, w).jaxpr.eqns
   assert partition._eqn_flops(eqn) == 2 * (2 * 9 * 9 * 32) * (3 * 3 * 16)

@@ -190,7 +190,8 @@ class Candidate:
 
   Attributes:
     name: the registered name.
-    strategy: the configured strategy.
+    strategy: the configured strategy (None for a strategy listed because it
+      offers no configuration: an axis no dataclass field takes).
     mesh: axis name -> size.
     peak_bytes: per-device memory of the compiled step (arguments + outputs not
       aliased to them + temporaries), or None if it could not be built.
@@ -552,11 +553,12 @@ class Auto(Strategy):
     that does not split) come back with `problem` saying why.
     """
     devices = available_devices(self.devices)
-    batch = self.batch_size or max(
-      int(jax.tree.leaves(sample)[0].shape[0])
+    rows = [
+      int(np.shape(jax.tree.leaves(sample)[0])[0])
       for sample in (sample_inputs, sample_batch)
-      if sample is not None
-    )
+      if sample is not None and np.ndim(jax.tree.leaves(sample)[0]) > 0
+    ]
+    batch = self.batch_size or max(rows, default=1)
     sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
     abstract_params, abstract_state = jax.eval_shape(
       as_stateful(model).init, jax.random.key(0), sample

@@ -197,7 +197,7 @@ def _check_plan(plan: Any, strategy: Any, mesh: Mesh) -> None:
         continue
       for entry in spec:
         for name in entry if isinstance(entry, tuple) else (entry,):
-          if name is not None and name not in mesh.axis_names:
+          if name not in (None, P.UNCONSTRAINED) and name not in mesh.axis_names:
             raise ValueError(
               f"{strategy!r}'s plan: its {field} {spec} names the axis {name!r}, which "
               f"the mesh does not have (its axes: {', '.join(map(repr, mesh.axis_names))})."
@@ -698,6 +698,8 @@ class Trainer:
       sample_batch: optional example batch (any batch size): fixes the
         structure, per-example shapes and dtypes every `step` batch must
         have. Default: the first batch given to `step` (or `lower`) fixes them.
+        ("auto" also measures its candidates at its batch size where it is
+        larger than `sample_inputs`'.)
 
     Returns:
       A `TrainState` whose arrays carry the strategy's shardings.

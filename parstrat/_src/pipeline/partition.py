@@ -302,10 +302,12 @@ def _eqn_flops(eqn, *, only_dots: bool = False) -> int:
     lhs_shape = eqn.invars[0].aval.shape
     return 2 * size * int(np.prod([lhs_shape[d] for d in lhs_contract]))
   if eqn.primitive.name == "conv_general_dilated":
-    # Each output element takes one kernel slice: the kernel's size over its outputs.
+    # Each output element takes one kernel slice: the kernel's size over its outputs;
+    # a dilated input (a transposed convolution) leaves all but 1 in d^n taps on zeros.
     kernel = eqn.invars[1].aval.shape
     outputs = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return 2 * size * (int(np.prod(kernel)) // outputs)
+    zeros = int(np.prod(eqn.params.get("lhs_dilation") or (1,)))
+    return 2 * size * (int(np.prod(kernel)) // outputs) // zeros
   inner = [p for p in eqn.params.values() if isinstance(p, jex.ClosedJaxpr)]
   if inner:
     return sum(_eqn_flops(e, only_dots=only_dots) for e in inner[0].jaxpr.eqns)
