@@ -78,6 +78,16 @@ def nan_second(batch_size, seed):  # the second batch's inputs are NaN: its upda
   train, evaluation = data(batch_size, seed)
   train[1] = (np.full_like(train[1][0], np.nan), train[1][1])
   return train, evaluation
+
+
+def generators(batch_size, seed):  # train and eval as generators: one pass each
+  train, evaluation = data(batch_size, seed)
+  return (b for b in train), (b for b in evaluation)
+
+
+def generator_eval(batch_size, seed):  # a list to train on, a generator to evaluate on
+  train, evaluation = data(batch_size, seed)
+  return train, (b for b in evaluation)
 """
 
 
@@ -511,6 +521,23 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
   finally:
     parstrat.unregister("my_data_parallel")
     sys.modules.pop("mystrategies", None)
+
+
+def test_generators_are_evaluated_every_epoch_and_refused_by_compare(tmp_path, monkeypatch, capsys):
+  # An eval generator was used up by the first evaluation (later epochs showed no
+  # accuracy), and --compare on a train generator trained every strategy after the
+  # first on nothing, with exit 0.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:generator_eval", "--out", "run", "--epochs", "2",
+                   "--steps", "16") == 0  # fmt: skip
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [8, 16]
+  capsys.readouterr()
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:generators", "--compare", "data_parallel,fsdp") == 2  # fmt: skip
+  assert "--compare: the train data of --dataset mymodel:generators is a one-shot iterator" in (
+    capsys.readouterr().err
+  )
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

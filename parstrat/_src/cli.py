@@ -908,6 +908,12 @@ def train(args: argparse.Namespace) -> dict:
   except ValueError as e:  # ConfigError is a ValueError
     raise UsageError(str(e)) from None
   say(f"data: {data.description}")
+  if data.one_shot and len(strategies) > 1:
+    raise UsageError(
+      f"--compare: the train data of --dataset {args.dataset} is a one-shot iterator (a "
+      "generator): the first strategy would use it up and the others train on nothing. "
+      "Return a list, an object whose __iter__ starts over, or a function of the epoch."
+    )
   # The report goes next to the checkpoints unless --out says otherwise.
   out_dir = args.out or args.checkpoint_dir
   out = pathlib.Path(out_dir) if out_dir else None

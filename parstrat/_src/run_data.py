@@ -35,6 +35,8 @@ class RunData:
     eval_batches: () -> iterable of eval batches (any size), or None for no eval.
     example: one example of a batch (every leaf with leading axis 1).
     num_classes: the label count when known (the default MLP's output width).
+    one_shot: the train data can be read once in all (a generator), not once
+      per epoch (or per strategy of `--compare`).
   """
 
   description: str
@@ -43,6 +45,7 @@ class RunData:
   eval_batches: Callable[[], Iterable[Any]] | None
   example: Any
   num_classes: int | None = None
+  one_shot: bool = False
 
   def sample_inputs(self, model_inputs: Callable[[Any], Any] | None = None) -> Any:
     """The model inputs of `example`, for `trainer.init`: `model_inputs(example)` when
@@ -164,7 +167,8 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
   an iterable of global batches, iterated again each epoch (a list, or an
   object whose `__iter__` starts over), or a function epoch -> iterable; a
   one-shot iterator (a generator) is one pass. `eval` is an iterable of
-  batches or None. Batches go to `trainer.step` unchanged.
+  batches or None (a generator is read once, into a list, and evaluated on
+  whole each time). Batches go to `trainer.step` unchanged.
 
   Raises:
     parstrat._src.config.ConfigError: if the function returns something else.
@@ -177,6 +181,11 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
       "iterables of batches (eval may be None)"
     )
   train, evaluation = result
+  if evaluation is not None and not isinstance(evaluation, Iterable):
+    raise config.ConfigError(
+      f"--dataset {spec!r}: eval must be an iterable of batches or None, got "
+      f"{type(evaluation).__name__}"
+    )
   if callable(train) and not isinstance(train, Iterable):
     epoch_source = train
   elif isinstance(train, Iterable):
@@ -199,12 +208,17 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     return epoch_source(epoch)
 
   length = getattr(train, "__len__", None)
+  if isinstance(evaluation, Iterable) and iter(evaluation) is evaluation:
+    # A generator is read at every evaluation: kept, so each epoch (and each
+    # strategy of --compare) evaluates on all of it, not the first alone.
+    evaluation = list(evaluation)
   return RunData(
     description=f"{spec}",
     train_epoch=train_epoch,
     steps_per_epoch=length() if length is not None else None,
     eval_batches=(lambda: evaluation) if evaluation is not None else None,
     example=_first_example(first),
+    one_shot=one_shot,
   )
 
 
