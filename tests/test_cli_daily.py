@@ -540,6 +540,26 @@ def test_generators_are_evaluated_every_epoch_and_refused_by_compare(tmp_path, m
   )
 
 
+def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
+  tmp_path, monkeypatch, capsys
+):
+  # Its --resume said "no checkpoint in DIR/fsdp" every time: only --overwrite, which
+  # deletes the finished strategy's checkpoints, got past it.
+  flags = ["--model-fn", "mymodel:model", "--dataset", "mymodel:data", "--compare",
+           "data_parallel,fsdp", "--checkpoint-dir", "ckpt", "--save-every", "1"]  # fmt: skip
+  assert _user_run(tmp_path, monkeypatch, *flags) == 0
+  shutil.rmtree(tmp_path / "ckpt" / "fsdp")  # as if stopped during data_parallel
+  capsys.readouterr()
+  assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 0
+  out = capsys.readouterr().out
+  assert "--resume: no checkpoint in ckpt/fsdp yet: fsdp starts" in out
+  assert sorted(p.name for p in (tmp_path / "ckpt" / "fsdp").iterdir() if p.name.isdigit())
+  # Without a checkpoint of any strategy there is nothing to resume.
+  shutil.rmtree(tmp_path / "ckpt")
+  (tmp_path / "ckpt").mkdir()
+  assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 2
+
+
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
   # The evaluation called trainer.apply without rng: a dropout model crashed at epoch end.
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_model",

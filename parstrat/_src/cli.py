@@ -740,6 +740,15 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     if not args.resume:
       return ckpt, None, None
     if ckpt.latest_step() is None:
+      others = (
+        []
+        if not args.compare
+        else [d for d in directory.parent.iterdir() if d.is_dir() and d != directory]
+      )
+      if any(step.name.isdigit() for d in others for step in d.iterdir()):
+        # A --compare stopped before this strategy's first checkpoint: it starts now.
+        say(f"--resume: no checkpoint in {directory} yet: {strategy_name(strategy)} starts")
+        return ckpt, None, None
       raise UsageError(f"--resume: no checkpoint in {directory}")
     try:  # the run's configuration is checked before any array is read
       changes = _resumable_changes(args, ckpt.metadata(), data)
