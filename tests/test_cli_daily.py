@@ -85,6 +85,11 @@ def generators(batch_size, seed):  # train and eval as generators: one pass each
   return (b for b in train), (b for b in evaluation)
 
 
+def one_eval_pair(batch_size, seed):  # eval as one (x, y) pair, not a list of pairs
+  train, evaluation = data(batch_size, seed)
+  return train, evaluation[0]
+
+
 def generator_eval(batch_size, seed):  # a list to train on, a generator to evaluate on
   train, evaluation = data(batch_size, seed)
   return train, (b for b in evaluation)
@@ -538,6 +543,14 @@ def test_generators_are_evaluated_every_epoch_and_refused_by_compare(tmp_path, m
   assert "--compare: the train data of --dataset mymodel:generators is a one-shot iterator" in (
     capsys.readouterr().err
   )
+
+
+def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):
+  # (one (x, y) pair instead of a list of pairs: no accuracy, and not a word)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:one_eval_pair", "--eval-every", "1") == 0  # fmt: skip
+  out = capsys.readouterr().out
+  assert out.count("eval: no accuracy: the eval data must be a non-empty iterable of") == 1
 
 
 def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(

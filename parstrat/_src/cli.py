@@ -1112,6 +1112,8 @@ def _train_one(
     if board is not None:
       board.write(row["step"], row)
 
+  unusable_eval: list[int] = []
+
   def evaluate(epoch: int) -> float | None:
     if data.eval_batches is None:
       return None
@@ -1122,6 +1124,12 @@ def _train_one(
     )
     if accuracy is not None:
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
+    elif not unusable_eval:  # (said once: the eval data was given, and nothing comes of it)
+      unusable_eval.append(step)
+      say(
+        "eval: no accuracy: the eval data must be a non-empty iterable of (inputs, integer "
+        "labels) pairs whose labels match the model's outputs (one class score per label)"
+      )
     return accuracy
 
   if resume_step is not None:
