@@ -85,6 +85,11 @@ def generators(batch_size, seed):  # train and eval as generators: one pass each
   return (b for b in train), (b for b in evaluation)
 
 
+def odd_last(batch_size, seed):  # the third batch has 3 rows: no split over 2 devices
+  train, evaluation = data(batch_size, seed)
+  return train[:2] + [tuple(a[:3] for a in train[2])], evaluation
+
+
 def one_eval_pair(batch_size, seed):  # eval as one (x, y) pair, not a list of pairs
   train, evaluation = data(batch_size, seed)
   return train, evaluation[0]
@@ -543,6 +548,14 @@ def test_generators_are_evaluated_every_epoch_and_refused_by_compare(tmp_path, m
   assert "--compare: the train data of --dataset mymodel:generators is a one-shot iterator" in (
     capsys.readouterr().err
   )
+
+
+def test_a_batch_that_does_not_split_names_its_step_batch_and_epoch(tmp_path, monkeypatch, capsys):
+  # (the message named neither, after some steps had run)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:odd_last", "--steps", "3") == 2  # fmt: skip
+  err = capsys.readouterr().err
+  assert "step 3: batch 3 of epoch 1: The batch size of the batch must be a positive " in err
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):

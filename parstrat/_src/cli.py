@@ -1211,8 +1211,10 @@ def _train_one(
         tick = time.perf_counter()
         try:
           state, metrics = trainer.step(state, batch)
-        except (TypeError, ValueError) as e:
-          raise UsageError(str(e)) from None
+        except (TypeError, ValueError) as e:  # (checked before the step ran: nothing lost)
+          raise UsageError(
+            f"step {step + 1}: batch {batch_in_epoch + 1} of epoch {epoch + 1}: {e}"
+          ) from None
         step += 1
         if "labels_in_range" in metrics and not bool(metrics["labels_in_range"]):
           classes = trainer._num_classes(data.sample_inputs())  # noqa: SLF001
