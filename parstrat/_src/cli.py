@@ -263,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     type=_positive,
     default=None,
     help="the cosine schedule's length in steps (default: the run's last step, from --steps "
-    "or --epochs); give it to train in legs (--steps 500, then --steps 1000 --resume) on "
-    "one schedule",
+    "or --epochs; for data of unknown length, --steps, so a run whose data ends first "
+    "stops above 0); give it to train in legs (--steps 500, then --steps 1000 --resume) "
+    "on one schedule",
   )
   train.add_argument(
     "--weight-decay", type=_non_negative_float, default=0.0, help="weight decay (0: none)"
