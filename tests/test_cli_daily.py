@@ -85,6 +85,15 @@ def generators(batch_size, seed):  # train and eval as generators: one pass each
   return (b for b in train), (b for b in evaluation)
 
 
+def whole_arrays(batch_size, seed):  # the arrays, not batches: iterating gives their names
+  train, evaluation = data(batch_size, seed)
+  return {"x": train[0][0], "label": train[0][1]}, None
+
+
+def needs_split(batch_size, seed, split):  # an argument parstrat does not pass
+  return data(batch_size, seed)
+
+
 def odd_last(batch_size, seed):  # the third batch has 3 rows: no split over 2 devices
   train, evaluation = data(batch_size, seed)
   return train[:2] + [tuple(a[:3] for a in train[2])], evaluation
@@ -556,6 +565,21 @@ def test_a_batch_that_does_not_split_names_its_step_batch_and_epoch(tmp_path, mo
                    "mymodel:odd_last", "--steps", "3") == 2  # fmt: skip
   err = capsys.readouterr().err
   assert "step 3: batch 3 of epoch 1: The batch size of the batch must be a positive " in err
+
+
+@pytest.mark.parametrize(
+  "dataset, message",
+  [
+    ("whole_arrays", "the first train batch is str 'x': train must yield batches"),
+    ("needs_split", "calling it failed: TypeError: needs_split() missing 1 required"),
+  ],
+)
+def test_a_dataset_function_of_another_shape_is_named_in_one_line(
+  tmp_path, monkeypatch, capsys, dataset, message
+):
+  # (raw tracebacks: an IndexError from the first example, a TypeError from the call)
+  assert _user_run(tmp_path, monkeypatch, "--dataset", f"mymodel:{dataset}") == 2
+  assert message in capsys.readouterr().err
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):

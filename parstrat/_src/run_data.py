@@ -58,6 +58,18 @@ def inputs_of(batch: Any) -> Any:
   return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
+def _leaves(batch: Any) -> list[Any]:
+  import jax
+
+  return jax.tree.leaves(batch)
+
+
+def _shown(value: Any) -> str:
+  """`value` in a few words: its type, and its text when short."""
+  text = repr(value)
+  return f"{type(value).__name__} {text}" if len(text) <= 40 else type(value).__name__
+
+
 def _first_example(batch: Any) -> Any:
   import jax
 
@@ -174,7 +186,13 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     parstrat._src.config.ConfigError: if the function returns something else.
   """
   fn = config.load_object(spec, "--dataset")
-  result = config.call_with_known(fn, batch_size=batch_size, seed=seed) if callable(fn) else fn
+  try:
+    result = config.call_with_known(fn, batch_size=batch_size, seed=seed) if callable(fn) else fn
+  except TypeError as e:  # e.g. an argument besides batch_size and seed, without a default
+    raise config.ConfigError(
+      f"--dataset {spec!r}: calling it failed: TypeError: {e} (it is called with those of "
+      "batch_size and seed that it names)"
+    ) from None
   if not (isinstance(result, (tuple, list)) and len(result) == 2):
     raise config.ConfigError(
       f"--dataset {spec!r} gave {type(result).__name__}; expected a pair (train, eval) of "
@@ -199,6 +217,12 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     first = next(first_iter)
   except StopIteration:
     raise config.ConfigError(f"--dataset {spec!r}: the train data has no batches") from None
+  if not all(np.ndim(leaf) >= 1 for leaf in _leaves(first)):
+    raise config.ConfigError(
+      f"--dataset {spec!r}: the first train batch is {_shown(first)}: train must yield "
+      "batches (pytrees of arrays with a leading batch axis), e.g. a list of (inputs, "
+      "labels) pairs, not the whole arrays"
+    )
   one_shot = iter(train) is train if isinstance(train, Iterable) else False
   head = itertools.chain([first], first_iter) if one_shot else None
 
