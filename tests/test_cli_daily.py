@@ -20,6 +20,9 @@ from parstrat._src import run_data
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 USER_FILE = """
+import os
+import signal
+
 import haiku as hk
 import jax
 import numpy as np
@@ -92,6 +95,26 @@ def whole_arrays(batch_size, seed):  # the arrays, not batches: iterating gives 
 
 def needs_split(batch_size, seed, split):  # an argument parstrat does not pass
   return data(batch_size, seed)
+
+
+class _CtrlCAtTheLastBatch:  # 8 batches an epoch; Ctrl-C as the last is first read
+  def __init__(self, batches):
+    self.batches, self.sent = batches, False
+
+  def __len__(self):
+    return len(self.batches)
+
+  def __iter__(self):
+    for i, batch in enumerate(self.batches):
+      if i == len(self.batches) - 1 and not self.sent:
+        self.sent = True
+        os.kill(os.getpid(), signal.SIGINT)
+      yield batch
+
+
+def ctrl_c_at_epoch_end(batch_size, seed):
+  train, evaluation = data(batch_size, seed)
+  return _CtrlCAtTheLastBatch(train), evaluation
 
 
 def odd_last(batch_size, seed):  # the third batch has 3 rows: no split over 2 devices
@@ -580,6 +603,17 @@ def test_a_dataset_function_of_another_shape_is_named_in_one_line(
   # (raw tracebacks: an IndexError from the first example, a TypeError from the call)
   assert _user_run(tmp_path, monkeypatch, "--dataset", f"mymodel:{dataset}") == 2
   assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_at_an_epochs_last_batch_keeps_its_eval(tmp_path, monkeypatch, capsys):
+  # The stop came before the epoch-end eval, and the checkpoint (the next epoch, batch
+  # 0) never ran it: that epoch's eval and summary were lost for good.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:ctrl_c_at_epoch_end", "--out", "run", "--epochs", "2",
+                   "--steps", "16", "--checkpoint-dir", "ckpt") == 130  # fmt: skip
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [8]
+  assert "epoch 1: loss " in capsys.readouterr().out
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):

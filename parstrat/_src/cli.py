@@ -1260,8 +1260,8 @@ def _train_one(
           break
         if stop.signum is not None:
           break
-      if stop.signum is not None:
-        break
+      if stop.signum is not None and batch_in_epoch != steps_per_epoch:
+        break  # (stopped at the epoch's last batch: its eval and summary come first)
       if step == epoch_start_step and epoch == first_epoch and skip_batches:
         # Resumed from a checkpoint of the epoch's last batch, in data of no known
         # length (a function of the epoch): that epoch was done; the next one starts.
@@ -1282,6 +1282,8 @@ def _train_one(
       else:
         say(f"epoch {epoch + 1}: no finite loss (every step was skipped){shown}")
       if args.steps is not None and step >= args.steps:
+        break
+      if stop.signum is not None:
         break
     if window_steps:  # the last steps, fewer than --log-every
       log(epoch, loss, metrics)
