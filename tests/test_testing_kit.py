@@ -238,6 +238,13 @@ def test_a_plan_that_is_not_one_is_named_at_init(edit, error, message):
     trainer.init(jax.random.key(0), jnp.zeros((1, 784)))
 
 
+def test_a_plan_may_leave_a_dimension_unconstrained():
+  # P.UNCONSTRAINED is no axis, and valid in a spec (the check above refused it).
+  edit = {"grad_spec": P(P.UNCONSTRAINED)}
+  trainer = _PlanWith(edit=edit)(parstrat.testing.seed_mlp(), optax.sgd(0.1))
+  trainer.init(jax.random.key(0), jnp.zeros((1, 784)))
+
+
 def test_catches_a_wrong_grad_norm():
   with pytest.raises(AssertionError, match=r"metrics\['grad_norm'\] differs from step 1"):
     parstrat.testing.check_strategy(ReportsTwiceTheGradNorm(), optimizers=[optax.sgd(0.1)], **KIT)
