@@ -97,16 +97,16 @@ def needs_split(batch_size, seed, split):  # an argument parstrat does not pass
   return data(batch_size, seed)
 
 
-class _CtrlCAtTheLastBatch:  # 8 batches an epoch; Ctrl-C as the last is first read
-  def __init__(self, batches):
-    self.batches, self.sent = batches, False
+class _CtrlCAt:  # 8 batches an epoch; Ctrl-C as batch `at` is first read
+  def __init__(self, batches, at):
+    self.batches, self.at, self.sent = batches, at, False
 
   def __len__(self):
     return len(self.batches)
 
   def __iter__(self):
     for i, batch in enumerate(self.batches):
-      if i == len(self.batches) - 1 and not self.sent:
+      if i == self.at and not self.sent:
         self.sent = True
         os.kill(os.getpid(), signal.SIGINT)
       yield batch
@@ -114,7 +114,16 @@ class _CtrlCAtTheLastBatch:  # 8 batches an epoch; Ctrl-C as the last is first r
 
 def ctrl_c_at_epoch_end(batch_size, seed):
   train, evaluation = data(batch_size, seed)
-  return _CtrlCAtTheLastBatch(train), evaluation
+  return _CtrlCAt(train, at=len(train) - 1), evaluation
+
+
+def ctrl_c_at_the_4th(batch_size, seed):
+  train, evaluation = data(batch_size, seed)
+  return _CtrlCAt(train, at=3), evaluation
+
+
+def body_type_error(batch_size, seed):  # the user's own bug, inside the function
+  return len(5)
 
 
 def odd_last(batch_size, seed):  # the third batch has 3 rows: no split over 2 devices
@@ -590,11 +599,22 @@ def test_a_batch_that_does_not_split_names_its_step_batch_and_epoch(tmp_path, mo
   assert "step 3: batch 3 of epoch 1: The batch size of the batch must be a positive " in err
 
 
+def test_a_type_error_inside_a_dataset_function_keeps_its_traceback(tmp_path, monkeypatch):
+  # (it was reported as a call with the wrong arguments, its file and line gone)
+  (tmp_path / "mymodel.py").write_text(USER_FILE)
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(TypeError, match="object of type 'int' has no len"):
+    run_data.from_function("mymodel:body_type_error", batch_size=8, seed=0)
+
+
 @pytest.mark.parametrize(
   "dataset, message",
   [
     ("whole_arrays", "the first train batch is str 'x': train must yield batches"),
-    ("needs_split", "calling it failed: TypeError: needs_split() missing 1 required"),
+    (
+      "needs_split",
+      "'mymodel:needs_split': cannot call needs_split: missing a required argument: 'split'",
+    ),
   ],
 )
 def test_a_dataset_function_of_another_shape_is_named_in_one_line(
@@ -614,6 +634,12 @@ def test_ctrl_c_at_an_epochs_last_batch_keeps_its_eval(tmp_path, monkeypatch, ca
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "eval_accuracy" in r] == [8]
   assert "epoch 1: loss " in capsys.readouterr().out
+  assert (tmp_path / "ckpt" / "8").is_dir()  # (saved before the eval)
+  # A stop at the run's last step (--steps, mid-epoch) runs its final eval, and ends it.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:ctrl_c_at_the_4th", "--out", "run4", "--steps", "4") == 0  # fmt: skip
+  rows = [json.loads(x) for x in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [4]
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):
@@ -638,9 +664,10 @@ def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
   out = capsys.readouterr().out
   assert "--resume: no checkpoint in ckpt/fsdp yet: fsdp starts" in out
   assert sorted(p.name for p in (tmp_path / "ckpt" / "fsdp").iterdir() if p.name.isdigit())
-  # Without a checkpoint of any strategy there is nothing to resume.
+  # Without a checkpoint of any of its strategies there is nothing to resume (another
+  # run's checkpoints in the same folder do not count).
   shutil.rmtree(tmp_path / "ckpt")
-  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "another_run" / "2").mkdir(parents=True)
   assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 2
 
 

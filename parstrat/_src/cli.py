@@ -741,12 +741,10 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     if not args.resume:
       return ckpt, None, None
     if ckpt.latest_step() is None:
-      others = (
-        []
-        if not args.compare
-        else [d for d in directory.parent.iterdir() if d.is_dir() and d != directory]
-      )
-      if any(step.name.isdigit() for d in others for step in d.iterdir()):
+      # (only this --compare's other strategies: not any run that shares the parent)
+      names = [n.strip() for n in args.compare.split(",")] if args.compare else []
+      others = [directory.parent / n for n in names if n != directory.name]
+      if any(s.name.isdigit() for d in others if d.is_dir() for s in d.iterdir()):
         # A --compare stopped before this strategy's first checkpoint: it starts now.
         say(f"--resume: no checkpoint in {directory} yet: {strategy_name(strategy)} starts")
         return ckpt, None, None
@@ -1185,6 +1183,7 @@ def _train_one(
 
   epoch = first_epoch
   batch_in_epoch = skip_batches
+  stopped_early = False  # by a signal, before the run's end: exit 128 + the signal
   stop = _StopRequests(say).install()
   try:
     for epoch in range(first_epoch, args.epochs):
@@ -1260,8 +1259,14 @@ def _train_one(
           break
         if stop.signum is not None:
           break
-      if stop.signum is not None and batch_in_epoch != steps_per_epoch:
-        break  # (stopped at the epoch's last batch: its eval and summary come first)
+      steps_done = args.steps is not None and step >= args.steps
+      if stop.signum is not None and batch_in_epoch != steps_per_epoch and not steps_done:
+        stopped_early = True
+        break
+      if stop.signum is not None and ckpt is not None:
+        # Stopped at the epoch's (or the run's) last batch: its eval and summary come
+        # first, and the checkpoint before them, so that a second signal loses neither.
+        ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
       if step == epoch_start_step and epoch == first_epoch and skip_batches:
         # Resumed from a checkpoint of the epoch's last batch, in data of no known
         # length (a function of the epoch): that epoch was done; the next one starts.
@@ -1284,6 +1289,7 @@ def _train_one(
       if args.steps is not None and step >= args.steps:
         break
       if stop.signum is not None:
+        stopped_early = epoch < args.epochs - 1
         break
     if window_steps:  # the last steps, fewer than --log-every
       log(epoch, loss, metrics)
@@ -1298,7 +1304,7 @@ def _train_one(
         ckpt.close()
       if board is not None:
         board.close()
-  if stop.signum is not None:
+  if stopped_early:
     import signal
 
     saved = (f"checkpoint saved in {ckpt.directory}; continue with --resume"

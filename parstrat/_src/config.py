@@ -243,20 +243,32 @@ def load_object(spec: str, flag: str) -> Any:
 def call_with_known(fn, **kwargs) -> Any:
   """Calls `fn` with those of `kwargs` that its signature names (a `**kw` catch-all gets none).
 
+  Raises:
+    ConfigError: if `fn` needs an argument besides those (checked before the call).
+
   Example:
     >>> call_with_known(lambda batch_size, **config: (batch_size, config), batch_size=8, seed=0)
     (8, {})
   """
   try:
-    params = inspect.signature(fn).parameters
+    signature = inspect.signature(fn)
   except (TypeError, ValueError):
     return fn()
+  params = signature.parameters
   named = {
     name
     for name, p in params.items()
     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
   }
-  return fn(**{k: v for k, v in kwargs.items() if k in named})
+  known = {k: v for k, v in kwargs.items() if k in named}
+  try:
+    signature.bind(**known)
+  except TypeError as e:  # (before the call: a TypeError inside it keeps its traceback)
+    raise ConfigError(
+      f"cannot call {getattr(fn, '__qualname__', fn)}: {e} (it is called with those of "
+      f"{', '.join(kwargs)} that it names)"
+    ) from None
+  return fn(**known)
 
 
 def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
@@ -277,7 +289,10 @@ def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
   """
   obj = load_object(spec, "--model-fn")
   is_model = lambda m: callable(getattr(m, "init", None)) and callable(getattr(m, "apply", None))  # noqa: E731
-  result = obj if is_model(obj) else call_with_known(obj, **kwargs) if callable(obj) else obj
+  try:
+    result = obj if is_model(obj) else call_with_known(obj, **kwargs) if callable(obj) else obj
+  except ConfigError as e:  # an argument besides those it is given
+    raise ConfigError(f"--model-fn {spec!r}: {e}") from None
   options: dict[str, Any] = {}
   if isinstance(result, tuple) and len(result) == 2 and is_model(result[0]):
     result, options = result[0], {"loss_fn": result[1]}

@@ -188,11 +188,8 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
   fn = config.load_object(spec, "--dataset")
   try:
     result = config.call_with_known(fn, batch_size=batch_size, seed=seed) if callable(fn) else fn
-  except TypeError as e:  # e.g. an argument besides batch_size and seed, without a default
-    raise config.ConfigError(
-      f"--dataset {spec!r}: calling it failed: TypeError: {e} (it is called with those of "
-      "batch_size and seed that it names)"
-    ) from None
+  except config.ConfigError as e:  # an argument besides batch_size and seed, say
+    raise config.ConfigError(f"--dataset {spec!r}: {e}") from None
   if not (isinstance(result, (tuple, list)) and len(result) == 2):
     raise config.ConfigError(
       f"--dataset {spec!r} gave {type(result).__name__}; expected a pair (train, eval) of "
