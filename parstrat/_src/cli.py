@@ -713,6 +713,11 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
   return guarded + other
 
 
+def _compare_names(args) -> list[str]:
+  """The strategy names `--compare` lists."""
+  return [name.strip() for name in args.compare.split(",")]
+
+
 def _open_checkpoints(args, strategy, trainer, say, data):
   """The run's `Checkpointer`, and for `--resume` the restored state and its metadata.
 
@@ -742,7 +747,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
       return ckpt, None, None
     if ckpt.latest_step() is None:
       # (only this --compare's other strategies: not any run that shares the parent)
-      names = [n.strip() for n in args.compare.split(",")] if args.compare else []
+      names = _compare_names(args) if args.compare else []
       others = [directory.parent / n for n in names if n != directory.name]
       if any(s.name.isdigit() for d in others if d.is_dir() for s in d.iterdir()):
         # A --compare stopped before this strategy's first checkpoint: it starts now.
@@ -856,7 +861,7 @@ def train(args: argparse.Namespace) -> dict:
       config.import_module(target, "--import")
     except ValueError as e:  # ConfigError is a ValueError
       raise UsageError(str(e)) from None
-  names = [n.strip() for n in args.compare.split(",")] if args.compare else [args.strategy]
+  names = _compare_names(args) if args.compare else [args.strategy]
   twice = sorted({name for name in names if names.count(name) > 1})
   if twice:  # (each run writes DIR/<name>/: the second would overwrite the first)
     raise UsageError(f"--compare names {', '.join(twice)} twice: name each strategy once")

@@ -41,6 +41,15 @@ STEPS = 3
 #: at the first update that moves them.
 MAX_STEPS = 32
 
+#: The tolerance past the first `STEPS` steps. An optimizer that moved nothing in
+#: them (`MultiSteps` accumulating) first applies an average of several random
+#: gradients: some elements cancel to about Adam's eps, where its normalisation
+#: turns the layouts' float32 rounding into relative differences of about 1e-4
+#: of the leaf's scale. A per-leaf transform on whole stages differs by far more
+#: (a trust ratio, a weight decay masked in or out).
+LATE_TOLERANCE = 1e-2
+
+
 #: Leaf `i`'s probe values are scaled by `SCALES[i % 3]`, so per-leaf norms and
 #: clipping thresholds (trust ratios, `clip_by_block_rms`) differ between leaves
 #: as they do in a real model, instead of all being about 1.
@@ -211,15 +220,6 @@ def _close(got: Any, want: Any, tolerance: float = 1e-4) -> bool:
     if not np.allclose(a, b, rtol=tolerance, atol=tolerance / 100 * scale, equal_nan=True):
       return False
   return True
-
-
-#: The tolerance past the first `STEPS` steps. An optimizer that moved nothing in
-#: them (`MultiSteps` accumulating) first applies an average of several random
-#: gradients: some elements cancel to about Adam's eps, where its normalisation
-#: turns the layouts' float32 rounding into relative differences of about 1e-4
-#: of the leaf's scale. A per-leaf transform on whole stages differs by far more
-#: (a trust ratio, a weight decay masked in or out).
-LATE_TOLERANCE = 1e-2
 
 
 def _data(x: Any) -> Any:

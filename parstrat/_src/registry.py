@@ -43,7 +43,7 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
-  if name != name.strip() or "," in name or any(c.isspace() for c in name):
+  if "," in name or any(c.isspace() for c in name):
     # (`parstrat train --compare a,b` splits names on commas and strips them)
     raise ValueError(f"A strategy name may not hold spaces or commas, got {name!r}.")
 

@@ -58,12 +58,6 @@ def inputs_of(batch: Any) -> Any:
   return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
-def _leaves(batch: Any) -> list[Any]:
-  import jax
-
-  return jax.tree.leaves(batch)
-
-
 def _shown(value: Any) -> str:
   """`value` in a few words: its type, and its text when short."""
   text = repr(value)
@@ -214,7 +208,9 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     first = next(first_iter)
   except StopIteration:
     raise config.ConfigError(f"--dataset {spec!r}: the train data has no batches") from None
-  if not all(np.ndim(leaf) >= 1 for leaf in _leaves(first)):
+  import jax
+
+  if not all(np.ndim(leaf) >= 1 for leaf in jax.tree.leaves(first)):
     raise config.ConfigError(
       f"--dataset {spec!r}: the first train batch is {_shown(first)}: train must yield "
       "batches (pytrees of arrays with a leading batch axis), e.g. a list of (inputs, "

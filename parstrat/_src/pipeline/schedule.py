@@ -348,7 +348,8 @@ class Schedule:
     theory = THEORY[self.name]
     if not theory.holds(self.stages, self.microbatches):
       return f"theory {theory.formula} holds for M >= P only"
-    return f"theory {theory.formula} = {self.theoretical_bubble():.3f}"
+    value = theory.bubble(self.stages, self.microbatches, self.virtual_stages)
+    return f"theory {theory.formula} = {value:.3f}"
 
   def bubble_text(self) -> str:
     """E.g. "bubble 0.273 (theory (P-1)/(M+P-1) = 0.273)".
