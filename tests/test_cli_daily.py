@@ -136,6 +136,16 @@ def one_eval_pair(batch_size, seed):  # eval as one (x, y) pair, not a list of p
   return train, evaluation[0]
 
 
+def eval_label_12(batch_size, seed):  # one eval label no model here can predict
+  train, evaluation = data(batch_size, seed)
+  x, y = evaluation[0]
+  return train, [(x, np.where(np.arange(len(y)) == 3, 12, y))]
+
+
+def interrupted(batch_size, seed):  # Ctrl-C while the data loads
+  raise KeyboardInterrupt
+
+
 def generator_eval(batch_size, seed):  # a list to train on, a generator to evaluate on
   train, evaluation = data(batch_size, seed)
   return train, (b for b in evaluation)
@@ -640,6 +650,35 @@ def test_ctrl_c_at_an_epochs_last_batch_keeps_its_eval(tmp_path, monkeypatch, ca
                    "mymodel:ctrl_c_at_the_4th", "--out", "run4", "--steps", "4") == 0  # fmt: skip
   rows = [json.loads(x) for x in (tmp_path / "run4" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows if "eval_accuracy" in r] == [4]
+
+
+def test_eval_labels_the_model_cannot_predict_are_named_before_training(
+  tmp_path, monkeypatch, capsys
+):
+  # They counted as wrong answers, without a word. With the default loss (training
+  # stops on such labels) the run is refused before it starts; with a loss of one's
+  # own (which may skip them, as padding) it is said once.
+  assert _user_run(tmp_path, monkeypatch, "--dataset", "mymodel:eval_label_12") == 2
+  assert (
+    "eval batch 1 has 1 label(s) outside [0, 10), the model's classes (first: 12); "
+    "training stops on such labels too"
+  ) in capsys.readouterr().err
+  assert _user_run(tmp_path, monkeypatch, "--dataset", "mymodel:eval_label_12",
+                   "--model-fn", "mymodel:model") == 0  # fmt: skip
+  assert (
+    "eval batch 1 has 1 label(s) outside [0, 4), the model's classes (first: 12): the "
+    "eval accuracy counts them as wrong"
+  ) in capsys.readouterr().out.splitlines()
+
+
+def test_ctrl_c_outside_a_training_step_is_one_line(tmp_path, monkeypatch, capsys):
+  # (while the data loads, a step compiles, or between --compare strategies: a raw
+  # KeyboardInterrupt traceback before)
+  assert _user_run(tmp_path, monkeypatch, "--dataset", "mymodel:interrupted") == 130
+  assert capsys.readouterr().err == (
+    "parstrat train: interrupted: SIGINT outside a training step; checkpoints already "
+    "written are kept\n"
+  )
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):

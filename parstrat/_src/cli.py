@@ -1049,6 +1049,15 @@ def _train_one(
     state = trainer.init(jax.random.key(args.seed), sample, sample_batch=data.example)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
+  outputs = trainer._abstract_outputs(sample)  # noqa: SLF001
+  if data.eval_batches is not None and hasattr(outputs, "shape") and outputs.shape:
+    # An eval label the model cannot predict counts as wrong: with the default loss
+    # (training refuses such labels) it is a mistake in the data, named before training.
+    outside = run_data.eval_label_outside(data.eval_batches(), outputs.shape[-1])
+    if outside and trainer.uses_default_loss:
+      raise UsageError(f"{outside}; training stops on such labels too")
+    if outside:  # (a loss of one's own may skip them, e.g. -1 for padding)
+      say(f"{outside}: the eval accuracy counts them as wrong")
   try:
     rows = trainer.local_batch_rows(args.batch_size)
   except ValueError as e:
@@ -1436,7 +1445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except TrainingError as e:
     print(f"parstrat {args.command}: stopped: {e}", file=sys.stderr)
     return 1
-  except Interrupted as e:
+  except (Interrupted, KeyboardInterrupt) as e:
+    if not isinstance(e, Interrupted):  # outside a training loop: loading, compiling, ...
+      e = Interrupted(  # noqa: PLW2901
+        "SIGINT outside a training step; checkpoints already written are kept", 2
+      )
     print(f"parstrat {args.command}: interrupted: {e}", file=sys.stderr)
     return 128 + e.signum
   except BrokenPipeError:  # `parstrat ... | head`: the reader left; no traceback
