@@ -1,6 +1,9 @@
 """The trainer's contract beyond (images, labels): pytree batches, integer inputs, pytree
 outputs, randomness (dropout) and model state, each against single-device `jax.jit`."""
 
+import functools
+
+import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -377,6 +380,48 @@ def test_batch_norm_trains_under_data_parallel_and_replicas_agree():
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   moved = jax.tree.map(lambda a, b: not np.allclose(a, b), initial, state.model_state)
   assert any(jax.tree.leaves(moved)), "BatchNorm's moving averages never changed"
+
+
+def _sync_batch_norm(x, axis="data"):
+  h = hk.Linear(16, with_bias=False)(x)  # (a bias before BatchNorm has a zero gradient)
+  h = hk.BatchNorm(True, True, decay_rate=0.9, cross_replica_axis=axis)(h, True)
+  return hk.Linear(CLASSES)(jax.nn.relu(h))
+
+
+def test_sync_batch_norm_under_data_parallel_is_the_whole_batch_statistics():
+  # hk.BatchNorm(cross_replica_axis="data") failed at init with JAX's raw "unbound axis
+  # name". Under data_parallel it now gives the statistics of the whole batch, as one
+  # device does: the reference is the same model on one device (its "data" axis of
+  # size 1; SGD and Adam), and the model without the axis on one device (SGD).
+  sync = hk.transform_with_state(_sync_batch_norm)
+  plain = hk.transform_with_state(functools.partial(_sync_batch_norm, axis=None))
+  images, labels = parstrat.testing.random_batches(3, 16, features=8)
+  images = [x * np.arange(1, 17, dtype=np.float32)[:, None] for x in images]  # rows differ
+  batches = list(zip(images, labels, strict=True))
+  parstrat.testing.check_strategy(
+    parstrat.DataParallel(data=4), sync, steps=3, batches=batches, features=8
+  )
+  trainer = parstrat.DataParallel(data=4)(sync, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  params, model_state = plain.init(jax.random.key(0), images[0][:1])
+  for x, y in batches:
+    state, metrics = trainer.step(state, (x, y))
+
+    def loss(p, x=x, y=y, model_state=model_state):
+      logits, new_state = plain.apply(p, model_state, None, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
+
+    (expected, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-5)
+  chex.assert_trees_all_close(trainer.params(state), params, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(state.model_state, model_state, rtol=1e-5, atol=1e-5)
+  # Under a strategy that does not run the model per device over "data", or with an
+  # axis of pmap code ("i"), the model is refused at init, naming the axis.
+  for strategy, axis in ((parstrat.FSDP(data=4), "data"), (parstrat.DataParallel(), "i")):
+    model = hk.transform_with_state(functools.partial(_sync_batch_norm, axis=axis))
+    with pytest.raises(ValueError, match=rf"collectives name '{axis}' .* data_parallel \('data'\)"):
+      strategy(model, optax.sgd(0.1)).init(jax.random.key(0), images[0][:1])
 
 
 def test_a_batch_norm_model_is_evaluated_with_its_moving_averages_by_its_inference_transform():

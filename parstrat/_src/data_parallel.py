@@ -71,6 +71,7 @@ class DataParallel(Strategy):
   axis_names = (DATA,)
   supports_rng = True
   supports_state = True
+  model_axes = (DATA,)
 
   def make_mesh(self) -> Mesh:
     return build_mesh({DATA: self.data}, self.devices)

@@ -18,6 +18,7 @@ import abc
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -279,6 +280,44 @@ def with_rng_argument(model: Any) -> Any:
   return type(model)(init=model.init, apply=apply)
 
 
+def bind_axes(model: Any, axes: Sequence[str]) -> Any:
+  """`model` (same kind) whose `init` and `apply` run with `axes` bound, each of size 1.
+
+  What runs outside the mesh (`init`, and tracing for shapes) then meets a
+  model's collective over a mesh axis (`hk.BatchNorm(cross_replica_axis="data")`)
+  as one device alone: `pmean` over one value is that value.
+  """
+  if not axes:
+    return model
+  axes = tuple(axes)
+  return type(model)(init=_bound(model.init, axes), apply=_bound(model.apply, axes))
+
+
+@functools.lru_cache(maxsize=64)  # the same function back: `jax.jit`'s cache holds
+def _bound(fn: Callable, axes: tuple[str, ...]) -> Callable:
+  for name in axes:
+    fn = jax.vmap(fn, in_axes=None, out_axes=None, axis_size=1, axis_name=name)
+  return fn
+
+
+def _unbound_axis_message(strategy: Strategy, error: NameError) -> str:
+  from parstrat._src import registry  # noqa: PLC0415 - the registry imports strategies
+
+  where = [
+    f"{name} ({', '.join(repr(a) for a in cls.model_axes)})"
+    for name in registry.available()
+    if (cls := registry.lookup(name)).model_axes
+  ]
+  found = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+  axis = repr(found.group(1)) if found else "an axis name"
+  return (
+    f"{strategy!r} cannot train a model whose collectives name {axis} (e.g. "
+    "hk.BatchNorm(cross_replica_axis=...)): it does not run the model per device over "
+    "such an axis. Strategies that do, and the mesh axis the model may name: "
+    f"{', '.join(where) or 'none registered'}."
+  )
+
+
 def as_stateful(model: Any) -> hk.TransformedWithState:
   """`model` under Haiku's stateful contract (an `hk.transform` model gets an empty state).
 
@@ -312,7 +351,9 @@ class Strategy(abc.ABC):
   A strategy that can pass a PRNG key to the model (dropout) sets
   `supports_rng = True`; one whose plan keeps a model state correct sets
   `supports_state = True`. Otherwise the trainer refuses such models at `init`
-  with a message naming the strategy.
+  with a message naming the strategy. One whose plan runs the model per device
+  over mesh axes (under `jax.shard_map`) names them in `model_axes`: the model's
+  own collectives may then name them (sync BatchNorm over "data").
 
   Calling a strategy with a Haiku model and an optax optimizer returns a
   `Trainer`; the trainer, not the strategy, holds anything model-specific.
@@ -342,6 +383,11 @@ class Strategy(abc.ABC):
 
   #: Whether its plan trains `hk.transform_with_state` models (e.g. BatchNorm).
   supports_state: ClassVar[bool] = False
+
+  #: Mesh axes over which its plan runs the model per device (under
+  #: `jax.shard_map`), so that the model's own collectives may name them:
+  #: `hk.BatchNorm(cross_replica_axis="data")` under `data_parallel`.
+  model_axes: ClassVar[tuple[str, ...]] = ()
 
   @abc.abstractmethod
   def make_mesh(self) -> Mesh:
@@ -720,7 +766,7 @@ class Trainer:
     shardings = jax.tree.map(lambda x: x.sharding, layout)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
     # the (slow to compile) initialiser; the re-layout is a program of its own.
-    init_fn = self._policy_model.init
+    init_fn = bind_axes(self._policy_model, self.strategy.model_axes).init
     if jax.process_count() == 1:
       initialised = jax.jit(init_fn)(rng, sample)
     else:  # every process computes the same replicated params on the global mesh
@@ -760,8 +806,14 @@ class Trainer:
   def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState, bool]:
     """The plan, the state as `ShapeDtypeStruct`s with their shardings, and rng use."""
     model = self._plan_model
-    abstract_params, abstract_model_state = jax.eval_shape(model.init, rng, abstract_inputs)
-    uses_rng = _reads_rng(model, abstract_params, abstract_model_state, abstract_inputs)
+    host = bind_axes(model, self.strategy.model_axes)  # (it runs outside the mesh here)
+    try:
+      abstract_params, abstract_model_state = jax.eval_shape(host.init, rng, abstract_inputs)
+    except NameError as e:  # JAX's "unbound axis name": a collective in the model
+      if "unbound axis name" not in str(e):
+        raise
+      raise ValueError(_unbound_axis_message(self.strategy, e)) from None
+    uses_rng = _reads_rng(host, abstract_params, abstract_model_state, abstract_inputs)
     strategy = self.strategy
     if uses_rng and not strategy.supports_rng:
       raise ValueError(
@@ -1062,7 +1114,7 @@ class Trainer:
     targets = batch[1] if self.model_inputs is None else batch
     try:
       loss, _ = jax.eval_shape(
-        model_loss(self._plan_model, self.loss_fn),
+        model_loss(bind_axes(self._plan_model, self.strategy.model_axes), self.loss_fn),
         params,
         inputs,
         _abstract(targets),
@@ -1347,7 +1399,9 @@ class Trainer:
     """The model's outputs for `inputs` (arrays or shapes), as shapes: nothing runs."""
     params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
     outputs, _ = jax.eval_shape(
-      lambda p, s, x: self._plan_model.apply(p, s, jax.random.key(0), x),
+      lambda p, s, x: bind_axes(self._plan_model, self.strategy.model_axes).apply(
+        p, s, jax.random.key(0), x
+      ),
       params,
       self._abstract_state.model_state,
       _abstract(inputs),

@@ -22,6 +22,7 @@ from parstrat._src import registry
 from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import as_stateful
+from parstrat._src.strategy import bind_axes
 from parstrat._src.strategy import softmax_cross_entropy
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -262,7 +263,9 @@ def check_strategy(
   gives on `trainer.params(state)` (same structure and shapes, within
   `rtol`/`atol`). The model state is checked only for a model that has one:
   the default model has none, so pass a stateful model to check a strategy
-  that declares `supports_state`.
+  that declares `supports_state`. A model whose collectives name one of the
+  strategy's `model_axes` (`hk.BatchNorm(cross_replica_axis="data")` under
+  `data_parallel`) runs in the reference with that axis bound at size 1.
 
   A model that draws randomness gets the same keys as the reference only
   where the layout computes on the whole batch at once (fsdp, tensor); under
@@ -317,8 +320,11 @@ def check_strategy(
   first_inputs = inputs_of(batches[0])
   sample = jax.tree.map(lambda x: x[:1], first_inputs)
   reports = []
-  reference_model = as_stateful(
-    precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
+  # (a collective over one of the strategy's `model_axes`, e.g. sync BatchNorm's over
+  # "data", runs in the reference over that axis of size 1: one device, the whole batch)
+  reference_model = bind_axes(
+    as_stateful(precision_lib.with_policy(model, precision_lib.resolve_policy(precision))),
+    strategy.model_axes,
   )
   reference_apply = jax.jit(reference_model.apply)  # compiled once for every optimizer
   for name, optimizer, param_atol in named:
