@@ -142,6 +142,24 @@ def test_bias_only_layers_odd_widths_and_tuple_outputs():
   assert "linear: replicated (its 15 outputs" in trainer.plan.description
 
 
+def _gain_on_the_split_layer(x):  # a learnable [1] gain (ReZero-like) on the hidden layer
+  h = jax.nn.relu(hk.Linear(32, name="up")(x))
+  gain = hk.get_parameter("gain", [1], init=hk.initializers.Constant(1.5))
+  return hk.Linear(10, name="down")(h * gain)
+
+
+def test_a_one_element_gain_on_a_split_layer_stays_whole_and_matches_jit():
+  # It was taken for the layer's bias and split 2 ways: a raw IndivisibleError at init
+  # under tensor, "Parameter leaf 8 ... cannot be split" under hybrid.
+  model = hk.transform(_gain_on_the_split_layer)
+  plan = _plan(model)
+  assert [(g.columns, g.rows) for g in plan.groups] == [(("up",), ("down",))]
+  assert _dims(plan)["~/gain"] is None
+  parstrat.testing.check_strategy(
+    parstrat.TensorParallel(model=2), model, steps=2, batch=8, features=FEATURES
+  )
+
+
 def test_tensor_parallel_transformer_matches_jit_with_one_all_reduce_per_group():
   strategy = parstrat.TensorParallel(model=2)
   parstrat.testing.check_strategy(strategy, TRANSFORMER, steps=3, batch=8, features=FEATURES)

@@ -300,6 +300,28 @@ def _bound(fn: Callable, axes: tuple[str, ...]) -> Callable:
   return fn
 
 
+def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: Any) -> Any:
+  """Optimizer-state shardings: a leaf whose path ends with a param's, and of its shape,
+  gets that param's sharding; any other leaf is replicated. (Only a layout: a wrong
+  match costs memory, never a number.)"""
+  by_path = {
+    tuple(path): (param.shape, sharding)
+    for (path, param), sharding in zip(
+      jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings), strict=True
+    )
+  }
+  lengths = sorted({len(path) for path in by_path}, reverse=True)
+
+  def leaf(path, x):
+    for n in lengths:
+      shape, sharding = by_path.get(tuple(path[len(path) - n :]), (None, None))
+      if n <= len(path) and shape == x.shape:
+        return sharding
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(leaf, opt_state)
+
+
 def _unbound_axis_message(strategy: Strategy, error: NameError) -> str:
   from parstrat._src import registry  # noqa: PLC0415 - the registry imports strategies
 
@@ -843,15 +865,22 @@ class Trainer:
         return leaf
       return sharding if leaf.shape == param.shape else self._replicated
 
-    opt_shardings = optax.tree_utils.tree_map_params(
-      self.optimizer,
-      param_leaf_sharding,
-      abstract_opt,
-      jax.tree.broadcast(opt_shardings, stored),
-      stored,
-      transform_non_params=lambda _: self._replicated,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode),
-    )
+    try:
+      opt_shardings = optax.tree_utils.tree_map_params(
+        self.optimizer,
+        param_leaf_sharding,
+        abstract_opt,
+        jax.tree.broadcast(opt_shardings, stored),
+        stored,
+        transform_non_params=lambda _: self._replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+      )
+    except Exception:  # noqa: BLE001 - optax runs `init` on a stand-in for the params,
+      # which a function of the params (multi_transform's labels by
+      # `hk.data_structures.map`) cannot read: matched by path instead.
+      opt_shardings = _shardings_by_path(
+        abstract_opt, stored, jax.tree.broadcast(opt_shardings, stored), self._replicated
+      )
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     replicated = lambda x: with_sharding(x, self._replicated)  # noqa: E731
     state = TrainState(

@@ -392,6 +392,8 @@ class _Analysis:
         if not _is_var(v) or not v.aval.shape or self.kinds.get(v, "const") == "const":
           continue
         if self.kinds.get(v) == "param":
+          if d in self.uniform.get(v, ()):
+            continue  # a parameter broadcast along the split axis (a [1] gain): whole
           leaf, dim = self.bias_dim.get(v, (None, None))
           if leaf is None and v.aval.shape[d] == 1:
             continue  # broadcast along the split axis: nothing to split
