@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import mlp
 
 import parstrat
@@ -135,3 +136,19 @@ def test_bfloat16_params_average_their_gradients_in_float32_under_hybrid_model_a
     strategy, MODEL, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES,
     precision=policy, rtol=2e-2, atol=2e-2,
   )  # fmt: skip
+
+
+def _argmax_then_embed(x):  # the only value crossing the cut is an integer
+  ids = jnp.argmax(hk.Linear(16, name="a")(x), -1)
+  return hk.Linear(10, name="c")(jax.nn.relu(hk.Embed(16, 16, name="emb")(ids)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_an_integer_activation_crossing_a_cut_trains_when_recomputed(schedule):
+  # Its gradient is JAX's float0, which the recomputing backward (B, and ZB-H1's I)
+  # sent as it was: `lax.switch` refused branches of int32 and float0 buffers.
+  strategy = parstrat.PipelineModelParallel(stages=2, microbatches=4, schedule=schedule, cuts=(1,))
+  model = hk.transform(_argmax_then_embed)
+  parstrat.testing.check_strategy(
+    strategy, model, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES
+  )

@@ -779,6 +779,11 @@ def pipeline_loss_and_grad(
 
     return pull
 
+  def as_message(d_act):
+    """An input's gradient as the buffer it travels in: an integer input has none
+    (JAX's `float0`), and sends zeros of the buffer's dtype, as a saved pullback does."""
+    return zero_act if d_act.dtype == jax.dtypes.float0 else d_act
+
   def stage_cotangents(g, grad):
     return (zero_act if g == G - 1 else grad, loss_cotangent)
 
@@ -796,10 +801,11 @@ def pipeline_loss_and_grad(
       return staged.forward(g, row, act, x, y, common)
 
     if action == Action.BACKWARD:
-      return jax.vjp(f, row, common, act)[1](cotangents)
+      d_row, d_common, d_act = jax.vjp(f, row, common, act)[1](cotangents)
+      return d_row, d_common, as_message(d_act)
     if action == Action.BACKWARD_INPUT:
       _, pullback = jax.vjp(lambda act: f(row, common, act), act)
-      return None, None, pullback(cotangents)[0]
+      return None, None, as_message(pullback(cotangents)[0])
     _, pullback = jax.vjp(lambda row, common: f(row, common, act), row, common)
     return *pullback(cotangents), fill
 
