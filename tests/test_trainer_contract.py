@@ -221,13 +221,28 @@ def test_apply_returns_outputs_without_a_batch_axis_or_names_them(name):
 @pytest.mark.parametrize("name", ["pipeline", "hybrid"])
 def test_pipelines_refuse_several_outputs_clearly(name):
   trainer = STRATEGIES[name](TWO_HEADS, optax.sgd(0.1), loss_fn=two_head_loss)
-  with pytest.raises(ValueError, match=r"returns 2 \(a pytree of outputs, .*data_parallel, fsdp"):
+  with pytest.raises(ValueError, match=r"returns a pytree of 2 output\(s\), .*data_parallel, fsdp"):
     trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
   # One output in a dict is a pytree too: its loss would get the bare array.
   one = hk.transform(lambda x: {"logits": hk.Linear(CLASSES)(jax.nn.relu(hk.Linear(16)(x)))})
   trainer = STRATEGIES[name](one, optax.sgd(0.1), loss_fn=lambda out, y: out["logits"].sum())
-  with pytest.raises(ValueError, match=r"returns 1 \(a pytree of outputs, .*\{'logits': \*\}"):
+  with pytest.raises(ValueError, match=r"returns a pytree of 1 output\(s\), .*\{'logits': \*\}"):
     trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
+
+
+@pytest.mark.parametrize("name", ["pipeline", "hybrid"])
+@pytest.mark.parametrize("steps", [3, 1], ids=["T=3", "T=1, the sample's rows"])
+def test_pipelines_refuse_an_output_without_a_leading_batch_axis(name, steps):
+  # A time-major [T, B, C] output was accepted: the step failed with raw JAX errors (a
+  # VJP of [mb, W] against [T, W]), or, with T equal to the microbatch, `apply` joined
+  # the microbatches along T and returned [B, T, C] without a word.
+  def time_major(x):  # x: [B, T, 8]
+    h = jax.nn.tanh(hk.Linear(16)(x))
+    return jnp.swapaxes(hk.Linear(CLASSES)(jax.nn.relu(hk.Linear(16)(h))), 0, 1)
+
+  trainer = STRATEGIES[name](hk.transform(time_major), optax.sgd(0.1), loss_fn=lambda o, y: 0.0)
+  with pytest.raises(ValueError, match=r"must have the batch as its first axis .* on \d rows"):
+    trainer.init(jax.random.key(0), np.zeros((1, steps, 8), np.float32))
 
 
 # ------------------------------------------------------------------ randomness

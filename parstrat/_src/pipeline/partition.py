@@ -519,11 +519,25 @@ def plan_stages(
   if not isinstance(outputs, jax.ShapeDtypeStruct):  # also a one-leaf dict or tuple
     structure = jax.tree.structure(outputs)
     raise ValueError(
-      f"A pipelined model must return one array (the logits); it returns "
-      f"{len(trace.jaxpr.outvars)} (a pytree of outputs, {structure}). The pipeline carries "
+      f"A pipelined model must return one array (the logits); it returns a pytree of "
+      f"{len(trace.jaxpr.outvars)} output(s), {structure}. The pipeline carries "
       "one array out of its last stage: use data_parallel, fsdp or tensor for models with "
       "several outputs, or return the array itself."
     )
+  rows = jax.tree.leaves(inputs)[0].shape[0]
+  for count in (rows, rows + 1):  # (a time-major [T, B, ...] whose T equals B: the other)
+    shaped = jax.tree.map(
+      lambda x, n=count: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), inputs
+    )
+    out = jax.eval_shape(apply_fn, params, shaped) if count != rows else outputs
+    if not out.shape or out.shape[0] != count:
+      raise ValueError(
+        f"A pipelined model's output must have the batch as its first axis (the pipeline "
+        f"carries each microbatch's rows to the last stage and joins their outputs along "
+        f"it); on {count} rows it has shape {tuple(out.shape)}. Return it batch-first (a "
+        "time-major [T, B, ...] can be transposed in the loss_fn), or use data_parallel, "
+        "fsdp or tensor."
+      )
   analysis = _analyse(trace)
   order = analysis.layer_order
   n = len(order)
