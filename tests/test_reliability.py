@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 
+import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -443,14 +444,41 @@ def test_without_a_manifest_a_checkpoint_restores_with_a_warning_and_a_damaged_s
   with Checkpointer(tmp_path) as ckpt, pytest.warns(CheckpointWarning, match="restored it unverif"):
     state, _ = ckpt.restore(trainer)
   assert int(state.step) == 2
-  _flip(tmp_path / "1")
+  _flip(tmp_path / "2")  # damaged (verified by its data's failure to read)
   with Checkpointer(tmp_path) as ckpt:
-    assert ckpt.save(trainer, state, {"at": 1}, step=1)  # the damaged step 1 is written again
-    assert ckpt.verify(1) is None
+    with pytest.warns(CheckpointWarning, match="restored step 1"):
+      state, _ = ckpt.restore(trainer)
+    with warnings.catch_warnings():  # (the skipped step goes without a word)
+      warnings.simplefilter("error")
+      assert ckpt.save(trainer, state, {"at": 2}, step=2)  # the damaged step 2 written again
+    assert ckpt.verify(2) is None
     for step in (1, 2):
       ckpt.delete(step)
     with pytest.raises(FileNotFoundError):
       ckpt.restore(trainer)
+
+
+def test_a_save_after_restoring_an_earlier_step_replaces_the_abandoned_run(trainer, tmp_path):
+  # The save at an existing step wrote nothing (returned False), and the abandoned
+  # run's steps 3 and 4 stayed: `restore()` brought that run back and lost the new one.
+  _save(trainer, tmp_path, [1, 2, 3, 4])
+  with Checkpointer(tmp_path) as ckpt:
+    state, _ = ckpt.restore(trainer, step=2)
+    state, _ = trainer.step(state, (X[::-1], Y[::-1]))  # other data from step 2 on
+    with pytest.warns(CheckpointWarning, match=r"restoring step 2: deleted .* step\(s\) 3, 4"):
+      assert ckpt.save(trainer, state, {"at": "new"})
+    assert ckpt.all_steps() == [2, 3]  # (keep=3: step 1 went at step 4)
+    assert not ckpt.save(trainer, state, {"at": "new"}, force=True)  # (this state: held)
+  with Checkpointer(tmp_path) as ckpt:
+    restored, meta = ckpt.restore(trainer)
+    assert meta == {"at": "new"}
+    chex.assert_trees_all_equal(trainer.params(restored), trainer.params(state))
+    # A save before the restored step, over checkpoints of that run: two runs mixed.
+    with pytest.raises(CheckpointError, match=r"holds checkpoint\(s\) at step\(s\) 2, 3, not"):
+      ckpt.save(trainer, _fresh(trainer), {}, step=1)
+    assert ckpt.all_steps() == [2, 3]
+    with pytest.raises(TypeError, match="meta must be a dict of JSON-able values, got list"):
+      ckpt.save(trainer, state, [1, 2], force=True)
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_orbax_reads_it(

@@ -123,6 +123,10 @@ class Checkpointer:
     if self.directory.exists() and not self.directory.is_dir():
       raise ValueError(f"Checkpointer: {self.directory} is a file, not a directory.")
     self.save_every = save_every
+    # The step this object last restored or wrote: its checkpoints are of one run.
+    self._restored: int | None = None
+    self._written: int | None = None
+    self._skipped: set[int] = set()  # steps `restore` found unreadable
     self._manager = ocp.CheckpointManager(
       self.directory,
       item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
@@ -178,12 +182,24 @@ class Checkpointer:
     are what `restore` skipped, and orbax, keeping the newest `keep` by step
     number, would otherwise delete the intact ones in their place.
 
+    Checkpoints at `step` or later that remain belong to another run, unless
+    `step` is the one this object last restored or wrote (then nothing is
+    written: it holds this state already). After `restore` of an earlier step
+    they are the run abandoned there: they are deleted, with a
+    `CheckpointWarning` naming them, and this one is written. Otherwise saving
+    would mix two runs in one directory, and raises.
+
     Returns:
       Whether a checkpoint was written.
 
     Raises:
-      TypeError: for a part of `meta` that JSON cannot hold, naming it.
+      TypeError: for a `meta` that is not a dict, or a part of it that JSON
+        cannot hold, naming it.
+      CheckpointError: for checkpoints at `step` or later of another run (see
+        above), naming them; nothing is written or deleted.
     """
+    if not isinstance(meta, dict):
+      raise TypeError(f"meta must be a dict of JSON-able values, got {type(meta).__name__}.")
     _check_json("meta", meta)
     step = int(state.step) if step is None else int(step)
     if not force and step % self.save_every:
@@ -194,10 +210,32 @@ class Checkpointer:
       # so left in place they would push the intact ones out.
       if newer > step and self.verify(newer) not in (None, "has no manifest"):
         self._manager.delete(newer)
-    if step in self._manager.all_steps():
+    later = sorted(s for s in self._manager.all_steps() if s >= step)
+    if later == [step] and step in (self._restored, self._written):
       if self.verify(step) is None:
         return False
-      self._manager.delete(step)  # a damaged checkpoint of this step: write it again
+    elif later and self._restored is not None and self._restored < step:
+      abandoned = [s for s in later if s not in self._skipped]  # (others: unreadable)
+      if abandoned:
+        warnings.warn(
+          f"saving step {step} after restoring step {self._restored}: deleted the "
+          f"checkpoint(s) at step(s) {', '.join(map(str, abandoned))} in {self.directory}, "
+          "of the run that went on from there",
+          CheckpointWarning,
+          stacklevel=2,
+        )
+      for old in later:
+        self._manager.delete(old)
+    elif later == [step] and self.verify(step) is not None:
+      pass  # a damaged checkpoint of this step: written again below
+    elif later:
+      raise CheckpointError(
+        f"{self.directory} already holds checkpoint(s) at step(s) "
+        f"{', '.join(map(str, later))}, not of this run: saving step {step} would mix two "
+        "runs. Restore one of them to go on from it, delete them, or use another directory."
+      )
+    if step in self._manager.all_steps():
+      self._manager.delete(step)  # (damaged)
     exported = trainer.export_state(state)
     saved = self._manager.save(
       step,
@@ -210,6 +248,7 @@ class Checkpointer:
       self._manager.wait_until_finished()
       if jax.process_index() == 0:
         _write_manifest(self._step_dir(step))
+      self._written = step
     return saved
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -332,8 +371,11 @@ class Checkpointer:
           exported = dict(restored["state"])
           if fresh_optimizer:
             exported["opt_state"] = None  # import_state starts it anew
-          return trainer.import_state(exported), dict(restored["meta"])
+          state = trainer.import_state(exported)
+          self._restored = candidate
+          return state, dict(restored["meta"])
       skipped.append((candidate, problem))
+      self._skipped.add(candidate)
     described = "; ".join(f"step {s} {why}" for s, why in skipped)
     raise CheckpointError(f"No intact checkpoint in {self.directory}: {described}.")
 
