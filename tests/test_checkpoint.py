@@ -89,6 +89,13 @@ def test_resume_errors_are_one_line(tmp_path, capsys):
   assert "--resume: no checkpoint in" in capsys.readouterr().err
   assert cli.main([*flags, str(tmp_path / "c"), "--steps", "2"]) == 0
   capsys.readouterr()
+  # A refused --resume creates nothing: a folder "31" in a run's checkpoints would pass
+  # for a checkpoint, and --compare's per-strategy folders for started runs.
+  for where in (["none"], ["c/31"], ["c", "--compare", "data_parallel,fsdp"]):
+    assert cli.main([*flags, str(tmp_path / where[0]), *where[1:], "--resume"]) == 2
+    assert "--resume: no checkpoint in" in capsys.readouterr().err
+  assert not (tmp_path / "none").exists() and not (tmp_path / "c" / "31").exists()
+  assert not (tmp_path / "c" / "data_parallel").exists()
   assert cli.main([*flags, str(tmp_path / "c"), "--steps", "4", "--resume", "--seed", "7"]) == 2
   err = capsys.readouterr().err.strip()
   assert "written with --seed 0 --batch-size 400" in err and "\n" not in err

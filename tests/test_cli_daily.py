@@ -38,6 +38,11 @@ def model():
   return net, loss_fn
 
 
+def tanh_model():  # the same shapes as model()'s
+  net = hk.transform(lambda x: hk.nets.MLP([16, 16, 4], activation=jax.nn.tanh)(x))
+  return net, model()[1]
+
+
 def dropout_model():
   def forward(x):
     x = hk.dropout(hk.next_rng_key(), 0.5, jax.nn.relu(hk.Linear(16)(x)))
@@ -678,6 +683,24 @@ def test_ctrl_c_outside_a_training_step_is_one_line(tmp_path, monkeypatch, capsy
   assert capsys.readouterr().err == (
     "parstrat train: interrupted: SIGINT outside a training step; checkpoints already "
     "written are kept\n"
+  )
+
+
+def test_resume_with_another_model_fn_of_the_same_shapes_is_a_guarded_change(
+  tmp_path, monkeypatch, capsys
+):
+  # A relu MLP's checkpoint went on as a tanh MLP without a word (only shapes were
+  # compared; the model function was not recorded).
+  flags = ["--dataset", "mymodel:data", "--checkpoint-dir", "ckpt", "--save-every", "2"]
+  assert _user_run(tmp_path, monkeypatch, *flags, "--model-fn", "mymodel:model") == 0
+  capsys.readouterr()
+  tanh = [*flags, "--model-fn", "mymodel:tanh_model", "--resume", "--steps", "4"]
+  assert _user_run(tmp_path, monkeypatch, *tanh) == 2
+  assert "model_fn mymodel:model -> mymodel:tanh_model" in capsys.readouterr().err
+  assert _user_run(tmp_path, monkeypatch, *tanh, "--allow-config-change") == 0
+  assert (
+    "resuming with a changed configuration: model_fn mymodel:model -> mymodel:tanh_model"
+    in capsys.readouterr().out.splitlines()
   )
 
 

@@ -481,6 +481,21 @@ def test_a_save_after_restoring_an_earlier_step_replaces_the_abandoned_run(train
       ckpt.save(trainer, state, [1, 2], force=True)
 
 
+def test_a_checkpoint_restored_into_other_dtypes_says_so(trainer, tmp_path):
+  # A float32 checkpoint went into a bfloat16 model rounded, without a word (only
+  # shapes were compared; orbax casts).
+  _save(trainer, tmp_path, [1])
+  bf16 = hk.transform(lambda x: hk.nets.MLP([16, 10])(x.astype(jnp.bfloat16)).astype(jnp.float32))
+  other = parstrat.DataParallel(data=2)(bf16, optax.adam(1e-2))
+  other.init(jax.random.key(0), X[:1])
+  with Checkpointer(tmp_path) as ckpt:
+    with pytest.warns(CheckpointWarning, match=re.escape(
+      "holds other dtypes than this trainer: restored with a cast, "
+      "params['mlp/~/linear_0']['b']: float32 -> bfloat16 and 11 more leaves")):  # fmt: skip
+      state, _ = ckpt.restore(other)
+  assert other.params(state)["mlp/~/linear_0"]["w"].dtype == jnp.bfloat16
+
+
 def test_a_checkpoint_of_another_model_is_refused_before_orbax_reads_it(
   trainer, tmp_path, monkeypatch
 ):

@@ -401,6 +401,16 @@ class Checkpointer:
         for tree in (saved_tree, template, abstract)
       )
     mismatch = trees.first_mismatch(saved_tree, template)
+    cast = trees.dtype_changes(saved_tree, template) if mismatch is None else []
+    cast.sort(key=lambda change: not change.startswith("params"))  # (the params first)
+    if cast:  # (orbax casts on restore: a precision change may be meant, but is said)
+      more = f" and {len(cast) - 1} more leaves" if len(cast) > 1 else ""
+      warnings.warn(
+        f"checkpoint step {step} in {self.directory} holds other dtypes than this trainer: "
+        f"restored with a cast, {cast[0]}{more}",
+        CheckpointWarning,
+        stacklevel=3,
+      )
     if mismatch is not None:
       if mismatch.startswith("opt_state"):
         raise OptimizerDoesNotFit(

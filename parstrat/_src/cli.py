@@ -623,6 +623,9 @@ def _check_paths(args: argparse.Namespace) -> None:
   if args.checkpoint_dir is not None:
     directory = pathlib.Path(args.checkpoint_dir)
     _check_writable_dir(directory, "--checkpoint-dir")
+    runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
+    if args.resume and not any(_holds_checkpoints(run) for run in runs):
+      raise UsageError(f"--resume: no checkpoint in {directory}")  # (nothing created)
     if directory.is_dir() and any(directory.iterdir()) and not (args.resume or args.overwrite):
       raise UsageError(
         f"--checkpoint-dir {directory} is not empty (another run?): pass --resume to continue "
@@ -643,6 +646,11 @@ def _check_paths(args: argparse.Namespace) -> None:
     if not path.parent.is_dir():
       raise UsageError(f"--metrics {path}: the directory {path.parent} does not exist")
     _check_writable_dir(path.parent, "--metrics")
+
+
+def _holds_checkpoints(path: pathlib.Path) -> bool:
+  """Whether `path` holds a checkpoint's step folder (complete or not)."""
+  return path.is_dir() and any(c.name.isdigit() and c.is_dir() for c in path.iterdir())
 
 
 def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
@@ -669,14 +677,14 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "warmup_steps": args.warmup_steps, "weight_decay": args.weight_decay,
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
-          "dataset": args.dataset, "data": data.description,
+          "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
           "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
 
 
 #: Changes to these need --allow-config-change on --resume. ("data" is what `dataset`
 #: turned out to be: `--source auto` reads MNIST from tfds, or the bundled sample offline.)
 GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "weight_decay",
-           "clip_norm", "precision", "dataset", "data")  # fmt: skip
+           "clip_norm", "precision", "dataset", "data", "model_fn")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -749,7 +757,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
       # (only this --compare's other strategies: not any run that shares the parent)
       names = _compare_names(args) if args.compare else []
       others = [directory.parent / n for n in names if n != directory.name]
-      if any(s.name.isdigit() for d in others if d.is_dir() for s in d.iterdir()):
+      if any(_holds_checkpoints(other) for other in others):
         # A --compare stopped before this strategy's first checkpoint: it starts now.
         say(f"--resume: no checkpoint in {directory} yet: {strategy_name(strategy)} starts")
         return ckpt, None, None

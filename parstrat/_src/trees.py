@@ -67,6 +67,28 @@ def first_mismatch(got: Any, want: Any) -> str | None:
   return None
 
 
+def dtype_changes(got: Any, want: Any) -> list[str]:
+  """`name: got -> want` for each leaf (matched by name, as in `first_mismatch`) whose
+  dtype differs; leaves without a dtype, or only in one tree, are left out.
+
+  Example:
+    >>> import numpy as np
+    >>> dtype_changes({"w": np.zeros(2, np.float32)}, {"w": np.zeros(2, np.float16)})
+    ['w: float32 -> float16']
+  """
+  dtypes = lambda tree: {  # noqa: E731
+    leaf_name(p): np.dtype(x.dtype)
+    for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    if getattr(x, "dtype", None) is not None
+  }
+  have = dtypes(got)
+  return [
+    f"{name}: {have[name]} -> {dtype}"
+    for name, dtype in dtypes(want).items()
+    if name in have and have[name] != dtype
+  ]
+
+
 def all_finite(tree: Any) -> jax.Array:
   """A scalar bool: every floating-point leaf of `tree` is free of NaN and infinity.
 
