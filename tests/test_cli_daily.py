@@ -141,6 +141,10 @@ def one_eval_pair(batch_size, seed):  # eval as one (x, y) pair, not a list of p
   return train, evaluation[0]
 
 
+def no_eval_batches(batch_size, seed):  # as a dataset function makes none at a large batch
+  return data(batch_size, seed)[0], []
+
+
 def eval_label_12(batch_size, seed):  # one eval label no model here can predict
   train, evaluation = data(batch_size, seed)
   x, y = evaluation[0]
@@ -710,6 +714,12 @@ def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, c
                    "mymodel:one_eval_pair", "--eval-every", "1") == 0  # fmt: skip
   out = capsys.readouterr().out
   assert out.count("eval: no accuracy: the eval data must be a non-empty iterable of") == 1
+  # No eval batches at all (the LM example's at --batch-size 256) is said as such.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                   "mymodel:no_eval_batches") == 0  # fmt: skip
+  assert (
+    "eval: no accuracy: --dataset mymodel:no_eval_batches gave no eval batches (at --batch-size 8)"
+  ) in capsys.readouterr().out.splitlines()
 
 
 def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(

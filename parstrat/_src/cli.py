@@ -1147,10 +1147,17 @@ def _train_one(
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
     elif not unusable_eval:  # (said once: the eval data was given, and nothing comes of it)
       unusable_eval.append(step)
-      say(
-        "eval: no accuracy: the eval data must be a non-empty iterable of (inputs, integer "
-        "labels) pairs whose labels match the model's outputs (one class score per label)"
-      )
+      batches = data.eval_batches()
+      if isinstance(batches, Sequence) and not batches:  # (a dataset function's sizes)
+        say(
+          f"eval: no accuracy: --dataset {args.dataset} gave no eval batches (at "
+          f"--batch-size {args.batch_size})"
+        )
+      else:
+        say(
+          "eval: no accuracy: the eval data must be a non-empty iterable of (inputs, integer "
+          "labels) pairs whose labels match the model's outputs (one class score per label)"
+        )
     return accuracy
 
   if resume_step is not None:
