@@ -473,6 +473,16 @@ def test_a_save_after_restoring_an_earlier_step_replaces_the_abandoned_run(train
     restored, meta = ckpt.restore(trainer)
     assert meta == {"at": "new"}
     chex.assert_trees_all_equal(trainer.params(restored), trainer.params(state))
+  # A save at the restored step itself writes nothing, and ends the abandoned run too.
+  with Checkpointer(tmp_path) as ckpt:
+    held, _ = ckpt.restore(trainer, step=2)
+    with pytest.warns(CheckpointWarning, match=r"restoring step 2: deleted .* step\(s\) 3 in"):
+      assert not ckpt.save(trainer, held, {"at": "held"}, force=True)
+    assert ckpt.all_steps() == [2]
+  _save(trainer, tmp_path, [3])
+  with Checkpointer(tmp_path) as ckpt:
+    restored, meta = ckpt.restore(trainer, step=2)
+    assert meta == {"at": 2}
     # A save before the restored step, over checkpoints of that run: two runs mixed.
     with pytest.raises(CheckpointError, match=r"holds checkpoint\(s\) at step\(s\) 2, 3, not"):
       ckpt.save(trainer, _fresh(trainer), {}, step=1)

@@ -431,6 +431,14 @@ def test_sync_batch_norm_under_data_parallel_is_the_whole_batch_statistics():
     np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-5)
   chex.assert_trees_all_close(trainer.params(state), params, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(state.model_state, model_state, rtol=1e-5, atol=1e-5)
+  # "auto" traced the model outside the mesh without the axis: a raw NameError. It now
+  # lists the others as "cannot run" and trains under data_parallel.
+  chosen = parstrat.Auto(candidates=("data_parallel", "tensor"))(sync, optax.sgd(0.1))
+  chosen.init(jax.random.key(0), images[0])
+  assert chosen.strategy == parstrat.DataParallel(devices=chosen.strategy.devices, data=8)
+  # An output that depends on the axis (axis_index) is traced outside the mesh too.
+  indexed = hk.transform(lambda x: hk.Linear(CLASSES)(x) * (1 + jax.lax.axis_index("data")))
+  parstrat.DataParallel(data=4)(indexed, optax.sgd(0.1)).init(jax.random.key(0), images[0][:1])
   # Under a strategy that does not run the model per device over "data", or with an
   # axis of pmap code ("i"), the model is refused at init, naming the axis.
   for strategy, axis in ((parstrat.FSDP(data=4), "data"), (parstrat.DataParallel(), "i")):

@@ -57,6 +57,7 @@ from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import available_devices
 from parstrat._src.strategy import axis_field
+from parstrat._src.strategy import bind_axes
 from parstrat._src.strategy import outputs_fn
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -560,17 +561,21 @@ class Auto(Strategy):
     ]
     batch = self.batch_size or max(rows, default=1)
     sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
-    abstract_params, abstract_state = jax.eval_shape(
-      as_stateful(model).init, jax.random.key(0), sample
+    # Traced here outside any mesh: the axes some strategy runs the model over are bound
+    # (a sync BatchNorm's "data"); each candidate's own `init` refuses what it cannot run.
+    bound_axes = sorted(
+      {a for n in registry.available() for a in getattr(registry.lookup(n), "model_axes", ())}
     )
+    host = bind_axes(as_stateful(model), bound_axes)
+    abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
     batch_inputs = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype), sample
     )
     model_state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract_state)
     if loss_fn is not None and model_inputs is None and sample_batch is None:
-      self._check_labels(loss_fn, model, abstract_params, abstract_state, sample)
+      self._check_labels(loss_fn, host, abstract_params, abstract_state, sample)
     stats_for = functools.cache(
-      lambda parts: ModelStats.of(model, abstract_params, batch_inputs, parts, model_state)
+      lambda parts: ModelStats.of(host, abstract_params, batch_inputs, parts, model_state)
     )
     options = dict(
       loss_fn=loss_fn,

@@ -127,6 +127,7 @@ class Checkpointer:
     self._restored: int | None = None
     self._written: int | None = None
     self._skipped: set[int] = set()  # steps `restore` found unreadable
+    self._cast: list[str] = []  # the dtype changes of the last `_restore`
     self._manager = ocp.CheckpointManager(
       self.directory,
       item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
@@ -178,16 +179,18 @@ class Checkpointer:
       force: save even if `step` is not a multiple of `save_every`.
 
     Damaged checkpoints (see `verify`; one without a manifest is not taken
-    for damaged) of later steps are deleted first: they
+    for damaged unless `restore` could not read it) of later steps are deleted first: they
     are what `restore` skipped, and orbax, keeping the newest `keep` by step
     number, would otherwise delete the intact ones in their place.
 
-    Checkpoints at `step` or later that remain belong to another run, unless
-    `step` is the one this object last restored or wrote (then nothing is
-    written: it holds this state already). After `restore` of an earlier step
-    they are the run abandoned there: they are deleted, with a
-    `CheckpointWarning` naming them, and this one is written. Otherwise saving
-    would mix two runs in one directory, and raises.
+    Checkpoints at `step` or later that remain are of this object's run only
+    after it restored a step at or before `step` (or wrote `step`): those
+    beyond the restored step are the run abandoned there, and are deleted,
+    with a `CheckpointWarning` naming them (none for steps `restore` found
+    unreadable); a checkpoint at `step` that this object restored or wrote is
+    this state, and nothing is written. Any other checkpoint at `step` or
+    later is another run's (but a damaged one at `step`, written again):
+    saving would mix two runs in one directory, and raises.
 
     Returns:
       Whether a checkpoint was written.
@@ -208,34 +211,35 @@ class Checkpointer:
       # After `restore` fell back past damaged checkpoints, they are newer than
       # the steps trained again; orbax keeps the newest `keep` by step number,
       # so left in place they would push the intact ones out.
-      if newer > step and self.verify(newer) not in (None, "has no manifest"):
+      damaged = self.verify(newer) not in (None, "has no manifest")
+      if newer > step and (damaged or newer in self._skipped):
         self._manager.delete(newer)
     later = sorted(s for s in self._manager.all_steps() if s >= step)
-    if later == [step] and step in (self._restored, self._written):
-      if self.verify(step) is None:
-        return False
-    elif later and self._restored is not None and self._restored < step:
-      abandoned = [s for s in later if s not in self._skipped]  # (others: unreadable)
-      if abandoned:
+    held = step in later and step in (self._restored, self._written)
+    if held or (later and self._restored is not None and self._restored < step):
+      # This object's run: what lies beyond `step` is the run abandoned at the restore.
+      abandoned = [s for s in later if s > step or not held]
+      if [s for s in abandoned if s not in self._skipped]:
+        since = step if self._restored is None else self._restored
         warnings.warn(
-          f"saving step {step} after restoring step {self._restored}: deleted the "
+          f"saving step {step} after restoring step {since}: deleted the "
           f"checkpoint(s) at step(s) {', '.join(map(str, abandoned))} in {self.directory}, "
           "of the run that went on from there",
           CheckpointWarning,
           stacklevel=2,
         )
-      for old in later:
+      for old in abandoned:
         self._manager.delete(old)
-    elif later == [step] and self.verify(step) is not None:
-      pass  # a damaged checkpoint of this step: written again below
-    elif later:
+      if held and self.verify(step) in (None, "has no manifest"):
+        return False  # (this state is that checkpoint)
+    elif later and not (later == [step] and self.verify(step) is not None):
       raise CheckpointError(
         f"{self.directory} already holds checkpoint(s) at step(s) "
         f"{', '.join(map(str, later))}, not of this run: saving step {step} would mix two "
         "runs. Restore one of them to go on from it, delete them, or use another directory."
       )
     if step in self._manager.all_steps():
-      self._manager.delete(step)  # (damaged)
+      self._manager.delete(step)  # (damaged: written again)
     exported = trainer.export_state(state)
     saved = self._manager.save(
       step,
@@ -361,6 +365,12 @@ class Checkpointer:
               + "; ".join(f"step {s} {why}" for s, why in skipped)
               + f"; restored step {candidate}, the newest intact one"
             )
+          if self._cast:
+            more = f" and {len(self._cast) - 1} more leaves" if len(self._cast) > 1 else ""
+            notes.append(
+              f"checkpoint step {candidate} in {self.directory} holds other dtypes than this "
+              f"trainer: restored with a cast, {self._cast[0]}{more}"
+            )
           if unverified:
             notes.append(
               f"checkpoint step {candidate} in {self.directory} has no manifest (an older "
@@ -401,16 +411,9 @@ class Checkpointer:
         for tree in (saved_tree, template, abstract)
       )
     mismatch = trees.first_mismatch(saved_tree, template)
-    cast = trees.dtype_changes(saved_tree, template) if mismatch is None else []
-    cast.sort(key=lambda change: not change.startswith("params"))  # (the params first)
-    if cast:  # (orbax casts on restore: a precision change may be meant, but is said)
-      more = f" and {len(cast) - 1} more leaves" if len(cast) > 1 else ""
-      warnings.warn(
-        f"checkpoint step {step} in {self.directory} holds other dtypes than this trainer: "
-        f"restored with a cast, {cast[0]}{more}",
-        CheckpointWarning,
-        stacklevel=3,
-      )
+    # (orbax casts on restore: a precision change may be meant, but is said, once read)
+    self._cast = trees.dtype_changes(saved_tree, template) if mismatch is None else []
+    self._cast.sort(key=lambda change: not change.startswith("params"))  # (params first)
     if mismatch is not None:
       if mismatch.startswith("opt_state"):
         raise OptimizerDoesNotFit(

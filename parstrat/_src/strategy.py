@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -293,11 +294,28 @@ def bind_axes(model: Any, axes: Sequence[str]) -> Any:
   return type(model)(init=_bound(model.init, axes), apply=_bound(model.apply, axes))
 
 
-@functools.lru_cache(maxsize=64)  # the same function back: `jax.jit`'s cache holds
+# The same function back while it lives, so that `jax.jit`'s cache holds across trainers
+# of one model. (A bound function holds its own: the key's id is not reused meanwhile.)
+_BOUND: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def _bound(fn: Callable, axes: tuple[str, ...]) -> Callable:
-  for name in axes:
-    fn = jax.vmap(fn, in_axes=None, out_axes=None, axis_size=1, axis_name=name)
-  return fn
+  key = (id(fn), axes)
+  bound = _BOUND.get(key)
+  if bound is None:
+    inner = fn
+    for name in axes:  # (out_axes 0: outputs may depend on the axis, e.g. axis_index)
+      inner = jax.vmap(inner, in_axes=None, out_axes=0, axis_size=1, axis_name=name)
+
+    @functools.wraps(fn)
+    def bound(*args, **kwargs):
+      outputs = inner(*args, **kwargs)
+      for _ in axes:
+        outputs = jax.tree.map(lambda x: x[0], outputs)
+      return outputs
+
+    _BOUND[key] = bound
+  return bound
 
 
 def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: Any) -> Any:
@@ -875,8 +893,8 @@ class Trainer:
         transform_non_params=lambda _: self._replicated,
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
       )
-    except Exception:  # noqa: BLE001 - optax runs `init` on a stand-in for the params,
-      # which a function of the params (multi_transform's labels by
+    except (TypeError, AttributeError, KeyError):  # optax runs `init` on a stand-in for
+      # the params, which a function of the params (multi_transform's labels by
       # `hk.data_structures.map`) cannot read: matched by path instead.
       opt_shardings = _shardings_by_path(
         abstract_opt, stored, jax.tree.broadcast(opt_shardings, stored), self._replicated
