@@ -250,6 +250,10 @@ def test_auto_has_no_mesh_of_its_own():
     parstrat.Auto(candidates=("auto",))
   with pytest.raises(KeyError, match="Unknown strategy 'fdsp'"):
     parstrat.Auto(candidates=("fdsp",))
+  # A NumPy integer batch size is an integer (it was refused as "not a positive integer").
+  assert parstrat.get("auto", batch_size=np.int64(32)).batch_size == 32
+  with pytest.raises(ValueError, match=r"batch_size must be a positive integer, got 2\.0"):
+    parstrat.get("auto", batch_size=2.0)
 
 
 def test_only_paired_layers_divide_over_model_and_reductions_scale_the_data_traffic():

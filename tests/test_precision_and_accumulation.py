@@ -78,7 +78,9 @@ def test_precision_accepts_jmp_policies():
   ("precision", "message"),
   [
     ("float16", "needs loss scaling"),
-    ("params=float32,compute=float16,output=float32", "needs loss scaling"),
+    ("params=float32,compute=float16,output=float32", "float16 compute, which needs loss"),
+    # (a float16 loss and its backward need it as much: accepted before)
+    ("params=float32,compute=bfloat16,output=float16", "float16 output, which needs loss"),
     ("bogus", "Unknown precision 'bogus'"),
     (3, "precision must be a string or a jmp.Policy, got 3"),
   ],

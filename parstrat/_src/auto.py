@@ -456,7 +456,7 @@ class Auto(Strategy):
     parse_bytes(self.memory_budget)
     if self.batch_size is not None and (
       isinstance(self.batch_size, bool)
-      or not isinstance(self.batch_size, int)
+      or not isinstance(self.batch_size, int | np.integer)
       or self.batch_size < 1
     ):
       raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}.")
@@ -561,13 +561,21 @@ class Auto(Strategy):
     ]
     batch = self.batch_size or max(rows, default=1)
     sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
-    # Traced here outside any mesh: the axes some strategy runs the model over are bound
-    # (a sync BatchNorm's "data"); each candidate's own `init` refuses what it cannot run.
-    bound_axes = sorted(
-      {a for n in registry.available() for a in getattr(registry.lookup(n), "model_axes", ())}
-    )
-    host = bind_axes(as_stateful(model), bound_axes)
-    abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
+    # Traced here outside any mesh. A model whose collectives name an axis some strategy
+    # runs it over (a sync BatchNorm's "data") is traced with those axes bound (not
+    # otherwise: the binding adds equations to what `ModelStats` counts); each
+    # candidate's own `init` refuses what it cannot run.
+    host = as_stateful(model)
+    try:
+      abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
+    except NameError as e:  # JAX's "unbound axis name"
+      if "unbound axis name" not in str(e):
+        raise
+      axes = {
+        a for n in registry.available() for a in getattr(registry.lookup(n), "model_axes", ())
+      }
+      host = bind_axes(host, sorted(axes))
+      abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
     batch_inputs = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype), sample
     )

@@ -35,9 +35,9 @@ def resolve_policy(precision: Any) -> jmp.Policy | None:
     The policy, or None when nothing needs casting.
 
   Raises:
-    ValueError: for an unknown name, a float16 compute dtype (it needs loss
-      scaling, which parstrat does not do; use bfloat16), or params or output
-      that are not floating point.
+    ValueError: for an unknown name, a float16 params, compute or output dtype
+      (it needs loss scaling, which parstrat does not do; use bfloat16), or
+      params or output that are not floating point.
 
   Example:
     >>> from parstrat._src.precision import resolve_policy, describe
@@ -68,9 +68,11 @@ def resolve_policy(precision: Any) -> jmp.Policy | None:
   ):
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"precision {precision!r}: {role} dtype must be floating, got {dtype}.")
-  if jnp.dtype(policy.compute_dtype) == jnp.float16 or jnp.dtype(policy.param_dtype) == jnp.float16:
+  half = [r for r, d in (("params", policy.param_dtype), ("compute", policy.compute_dtype),
+          ("output", policy.output_dtype)) if jnp.dtype(d) == jnp.float16]  # fmt: skip
+  if half:
     raise ValueError(
-      f"precision {precision!r} computes in float16, which needs loss scaling "
+      f"precision {precision!r} has float16 {' and '.join(half)}, which needs loss scaling "
       "(parstrat does not scale losses); use bfloat16, e.g. precision='mixed_bfloat16'."
     )
   if all(jnp.dtype(d) == jnp.float32 for d in (policy.param_dtype, policy.compute_dtype)):
