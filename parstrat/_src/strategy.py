@@ -727,6 +727,7 @@ class Trainer:
     # and what the plan sees: that model under Haiku's stateful contract.
     self._policy_model = precision_lib.with_policy(with_rng_argument(model), self.policy)
     self._plan_model = as_stateful(self._policy_model)
+    self._host_axes: tuple[str, ...] = ()  # mesh axes the model names (set by `init`)
     # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
     self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
     self._plan: Plan | None = None
@@ -806,7 +807,7 @@ class Trainer:
     shardings = jax.tree.map(lambda x: x.sharding, layout)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
     # the (slow to compile) initialiser; the re-layout is a program of its own.
-    init_fn = bind_axes(self._policy_model, self.strategy.model_axes).init
+    init_fn = self._host_model(self._policy_model).init
     if jax.process_count() == 1:
       initialised = jax.jit(init_fn)(rng, sample)
     else:  # every process computes the same replicated params on the global mesh
@@ -843,16 +844,31 @@ class Trainer:
     self._commit(plan, sample, state, uses_rng, rng, sample_batch)
     return state
 
+  def _host_model(self, model: Any) -> Any:
+    """`model` as traced outside the mesh (see `_layout`): its axes bound if it needs them."""
+    return bind_axes(model, self._host_axes)
+
   def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState, bool]:
     """The plan, the state as `ShapeDtypeStruct`s with their shardings, and rng use."""
     model = self._plan_model
-    host = bind_axes(model, self.strategy.model_axes)  # (it runs outside the mesh here)
+    # Traced here outside the mesh: a model whose collectives name the strategy's
+    # `model_axes` (a sync BatchNorm's "data") is traced, from here on, with them bound
+    # at size 1. Only such a model: the bound functions are new ones, which `jax.jit`
+    # compiles again for every trainer.
+    self._host_axes = ()
     try:
-      abstract_params, abstract_model_state = jax.eval_shape(host.init, rng, abstract_inputs)
+      abstract_params, abstract_model_state = jax.eval_shape(model.init, rng, abstract_inputs)
     except NameError as e:  # JAX's "unbound axis name": a collective in the model
       if "unbound axis name" not in str(e):
         raise
-      raise ValueError(_unbound_axis_message(self.strategy, e)) from None
+      try:
+        abstract_params, abstract_model_state = jax.eval_shape(
+          bind_axes(model, self.strategy.model_axes).init, rng, abstract_inputs
+        )
+      except NameError:
+        raise ValueError(_unbound_axis_message(self.strategy, e)) from None
+      self._host_axes = tuple(self.strategy.model_axes)
+    host = self._host_model(model)
     uses_rng = _reads_rng(host, abstract_params, abstract_model_state, abstract_inputs)
     strategy = self.strategy
     if uses_rng and not strategy.supports_rng:
@@ -1161,7 +1177,7 @@ class Trainer:
     targets = batch[1] if self.model_inputs is None else batch
     try:
       loss, _ = jax.eval_shape(
-        model_loss(bind_axes(self._plan_model, self.strategy.model_axes), self.loss_fn),
+        model_loss(self._host_model(self._plan_model), self.loss_fn),
         params,
         inputs,
         _abstract(targets),
@@ -1446,9 +1462,7 @@ class Trainer:
     """The model's outputs for `inputs` (arrays or shapes), as shapes: nothing runs."""
     params = jax.eval_shape(self.plan.to_params, self._abstract_state.params)
     outputs, _ = jax.eval_shape(
-      lambda p, s, x: bind_axes(self._plan_model, self.strategy.model_axes).apply(
-        p, s, jax.random.key(0), x
-      ),
+      lambda p, s, x: self._host_model(self._plan_model).apply(p, s, jax.random.key(0), x),
       params,
       self._abstract_state.model_state,
       _abstract(inputs),

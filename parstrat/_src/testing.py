@@ -320,12 +320,17 @@ def check_strategy(
   first_inputs = inputs_of(batches[0])
   sample = jax.tree.map(lambda x: x[:1], first_inputs)
   reports = []
-  # (a collective over one of the strategy's `model_axes`, e.g. sync BatchNorm's over
-  # "data", runs in the reference over that axis of size 1: one device, the whole batch)
-  reference_model = bind_axes(
-    as_stateful(precision_lib.with_policy(model, precision_lib.resolve_policy(precision))),
-    strategy.model_axes,
+  reference_model = as_stateful(
+    precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
   )
+  try:
+    jax.eval_shape(reference_model.init, jax.random.key(seed), sample)
+  except NameError as e:  # (a collective over one of the strategy's `model_axes`, e.g.
+    # sync BatchNorm's over "data", runs in the reference over that axis of size 1: one
+    # device, the whole batch)
+    if "unbound axis name" not in str(e):
+      raise
+    reference_model = bind_axes(reference_model, strategy.model_axes)
   reference_apply = jax.jit(reference_model.apply)  # compiled once for every optimizer
   for name, optimizer, param_atol in named:
     options = {"precision": precision} if precision is not None else {}
