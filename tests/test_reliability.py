@@ -473,16 +473,28 @@ def test_a_save_after_restoring_an_earlier_step_replaces_the_abandoned_run(train
     restored, meta = ckpt.restore(trainer)
     assert meta == {"at": "new"}
     chex.assert_trees_all_equal(trainer.params(restored), trainer.params(state))
-  # A save at the restored step itself writes nothing, and ends the abandoned run too.
+  # A save of the restored step and meta writes and deletes nothing; with other meta (or
+  # after a restore with fresh_optimizer) that step is written again.
   with Checkpointer(tmp_path) as ckpt:
-    held, _ = ckpt.restore(trainer, step=2)
+    held, meta = ckpt.restore(trainer, step=2)
+    assert not ckpt.save(trainer, held, meta, force=True)
+    assert ckpt.all_steps() == [2, 3]
     with pytest.warns(CheckpointWarning, match=r"restoring step 2: deleted .* step\(s\) 3 in"):
-      assert not ckpt.save(trainer, held, {"at": "held"}, force=True)
-    assert ckpt.all_steps() == [2]
+      assert ckpt.save(trainer, held, {"at": "again"}, force=True)
+    assert ckpt.all_steps() == [2] and ckpt.metadata(2) == {"at": "again"}
+    # The same object after its own writes: a restore further back, then the steps it
+    # wrote are those of the run abandoned there (it kept its own step 3 before).
+    state, _ = trainer.step(held, (X, Y))
+    assert ckpt.save(trainer, state, {"at": "first"})
+    ckpt.restore(trainer, step=2)
+    with pytest.warns(CheckpointWarning, match=r"restoring step 2: deleted .* step\(s\) 3 in"):
+      assert ckpt.save(trainer, state, {"at": "second"})
+    assert ckpt.metadata(3) == {"at": "second"}
+    ckpt.delete(3)
   _save(trainer, tmp_path, [3])
   with Checkpointer(tmp_path) as ckpt:
     restored, meta = ckpt.restore(trainer, step=2)
-    assert meta == {"at": 2}
+    assert meta == {"at": "again"}
     # A save before the restored step, over checkpoints of that run: two runs mixed.
     with pytest.raises(CheckpointError, match=r"holds checkpoint\(s\) at step\(s\) 2, 3, not"):
       ckpt.save(trainer, _fresh(trainer), {}, step=1)

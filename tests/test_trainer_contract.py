@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 
 import parstrat
 import parstrat.testing
@@ -439,6 +440,17 @@ def test_sync_batch_norm_under_data_parallel_is_the_whole_batch_statistics():
   # An output that depends on the axis (axis_index) is traced outside the mesh too.
   indexed = hk.transform(lambda x: hk.Linear(CLASSES)(x) * (1 + jax.lax.axis_index("data")))
   parstrat.DataParallel(data=4)(indexed, optax.sgd(0.1)).init(jax.random.key(0), images[0][:1])
+  # A collective in `apply` alone (skipped at init) is found too.
+  apply_only = hk.transform(
+    lambda x: (
+      hk.Linear(CLASSES)(x) if hk.running_init() else lax.pmean(hk.Linear(CLASSES)(x), "data")
+    )
+  )
+  parstrat.DataParallel(data=4)(apply_only, optax.sgd(0.1)).init(jax.random.key(0), images[0][:1])
+  with pytest.raises(ValueError, match=r"collectives name 'i' .* data_parallel \('data'\)"):
+    parstrat.Auto(candidates=("data_parallel",))(
+      hk.transform_with_state(functools.partial(_sync_batch_norm, axis="i")), optax.sgd(0.1)
+    ).init(jax.random.key(0), images[0])
   # Under a strategy that does not run the model per device over "data", or with an
   # axis of pmap code ("i"), the model is refused at init, naming the axis.
   for strategy, axis in ((parstrat.FSDP(data=4), "data"), (parstrat.DataParallel(), "i")):

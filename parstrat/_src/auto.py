@@ -59,6 +59,7 @@ from parstrat._src.strategy import available_devices
 from parstrat._src.strategy import axis_field
 from parstrat._src.strategy import bind_axes
 from parstrat._src.strategy import outputs_fn
+from parstrat._src.strategy import unbound_axis_message
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
@@ -575,7 +576,10 @@ class Auto(Strategy):
         a for n in registry.available() for a in getattr(registry.lookup(n), "model_axes", ())
       }
       host = bind_axes(host, sorted(axes))
-      abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
+      try:
+        abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
+      except NameError:  # an axis no strategy runs the model over
+        raise ValueError(unbound_axis_message(self, e)) from None
     batch_inputs = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct((batch, *x.shape[1:]), x.dtype), sample
     )

@@ -124,8 +124,11 @@ class Checkpointer:
       raise ValueError(f"Checkpointer: {self.directory} is a file, not a directory.")
     self.save_every = save_every
     # The step this object last restored or wrote: its checkpoints are of one run.
-    self._restored: int | None = None
-    self._written: int | None = None
+    self._restored: int | None = None  # the step the run restored last went on from
+    # (step, meta) of the checkpoint that holds this run's state as it was restored or
+    # last written; a save of the same step and meta writes nothing.
+    self._held: tuple[int, Any] | None = None
+    self._written: set[int] = set()  # steps this object wrote since its last restore
     self._skipped: set[int] = set()  # steps `restore` found unreadable
     self._cast: list[str] = []  # the dtype changes of the last `_restore`
     self._manager = ocp.CheckpointManager(
@@ -183,14 +186,15 @@ class Checkpointer:
     are what `restore` skipped, and orbax, keeping the newest `keep` by step
     number, would otherwise delete the intact ones in their place.
 
-    Checkpoints at `step` or later that remain are of this object's run only
-    after it restored a step at or before `step` (or wrote `step`): those
-    beyond the restored step are the run abandoned there, and are deleted,
-    with a `CheckpointWarning` naming them (none for steps `restore` found
-    unreadable); a checkpoint at `step` that this object restored or wrote is
-    this state, and nothing is written. Any other checkpoint at `step` or
-    later is another run's (but a damaged one at `step`, written again):
-    saving would mix two runs in one directory, and raises.
+    Checkpoints at `step` or later that remain are this object's run's when it
+    restored a step at or before `step`, or wrote them all since: those beyond
+    `step` are then the run abandoned at the restore, and are deleted with a
+    `CheckpointWarning` naming them (none for steps `restore` found
+    unreadable), and one at `step` is written again; but a save of the step and
+    `meta` this object restored (without `fresh_optimizer`) or last wrote
+    writes and deletes nothing. Any other checkpoint at `step` or later is
+    another run's (but a damaged one at `step`, written again): saving would mix
+    two runs in one directory, and raises before anything is deleted.
 
     Returns:
       Whether a checkpoint was written.
@@ -207,39 +211,42 @@ class Checkpointer:
     step = int(state.step) if step is None else int(step)
     if not force and step % self.save_every:
       return False
-    for newer in self._manager.all_steps():
-      # After `restore` fell back past damaged checkpoints, they are newer than
-      # the steps trained again; orbax keeps the newest `keep` by step number,
-      # so left in place they would push the intact ones out.
-      damaged = self.verify(newer) not in (None, "has no manifest")
-      if newer > step and (damaged or newer in self._skipped):
-        self._manager.delete(newer)
-    later = sorted(s for s in self._manager.all_steps() if s >= step)
-    held = step in later and step in (self._restored, self._written)
-    if held or (later and self._restored is not None and self._restored < step):
-      # This object's run: what lies beyond `step` is the run abandoned at the restore.
-      abandoned = [s for s in later if s > step or not held]
-      if [s for s in abandoned if s not in self._skipped]:
-        since = step if self._restored is None else self._restored
-        warnings.warn(
-          f"saving step {step} after restoring step {since}: deleted the "
-          f"checkpoint(s) at step(s) {', '.join(map(str, abandoned))} in {self.directory}, "
-          "of the run that went on from there",
-          CheckpointWarning,
-          stacklevel=2,
-        )
-      for old in abandoned:
-        self._manager.delete(old)
-      if held and self.verify(step) in (None, "has no manifest"):
-        return False  # (this state is that checkpoint)
-    elif later and not (later == [step] and self.verify(step) is not None):
+    steps = self._manager.all_steps()
+    # After `restore` fell back past damaged checkpoints, they are newer than the steps
+    # trained again; orbax keeps the newest `keep` by step number, so left in place they
+    # would push the intact ones out.
+    damaged = [
+      s
+      for s in steps
+      if s > step and (s in self._skipped or self.verify(s) not in (None, "has no manifest"))
+    ]
+    later = sorted(s for s in steps if s >= step and s not in damaged)
+    if self._held == (step, meta) and step in later:
+      return False  # (this state is that checkpoint; what lies beyond stays until a write)
+    ours = (self._restored is not None and self._restored <= step) or (
+      bool(later) and set(later) <= self._written
+    )
+    rewritable = later == [step] and self.verify(step) not in (None, "has no manifest")
+    if later and not ours and not rewritable:
       raise CheckpointError(
         f"{self.directory} already holds checkpoint(s) at step(s) "
         f"{', '.join(map(str, later))}, not of this run: saving step {step} would mix two "
         "runs. Restore one of them to go on from it, delete them, or use another directory."
       )
-    if step in self._manager.all_steps():
-      self._manager.delete(step)  # (damaged: written again)
+    branch = self._restored is not None and self._restored <= step
+    abandoned = [  # the run that went on from the restored step (not steps written since)
+      s for s in later if branch and s != self._restored and s not in self._skipped | self._written
+    ]
+    if abandoned:
+      warnings.warn(
+        f"saving step {step} after restoring step {self._restored}: deleted the "
+        f"checkpoint(s) at step(s) {', '.join(map(str, abandoned))} in {self.directory}, "
+        "of the run that went on from there",
+        CheckpointWarning,
+        stacklevel=2,
+      )
+    for old in [*damaged, *later]:  # (later: this run's beyond, or `step` written again)
+      self._manager.delete(old)
     exported = trainer.export_state(state)
     saved = self._manager.save(
       step,
@@ -252,7 +259,9 @@ class Checkpointer:
       self._manager.wait_until_finished()
       if jax.process_index() == 0:
         _write_manifest(self._step_dir(step))
-      self._written = step
+      self._held = (step, dict(meta))
+      self._written.add(step)
+      self._skipped.discard(step)
     return saved
 
   def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -383,6 +392,8 @@ class Checkpointer:
             exported["opt_state"] = None  # import_state starts it anew
           state = trainer.import_state(exported)
           self._restored = candidate
+          self._held = None if fresh_optimizer else (candidate, dict(restored["meta"]))
+          self._written = set()
           return state, dict(restored["meta"])
       skipped.append((candidate, problem))
       self._skipped.add(candidate)

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import inspect
 import re
-import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -294,27 +293,18 @@ def bind_axes(model: Any, axes: Sequence[str]) -> Any:
   return type(model)(init=_bound(model.init, axes), apply=_bound(model.apply, axes))
 
 
-# The same function back while it lives, so that `jax.jit`'s cache holds across trainers
-# of one model. (A bound function holds its own: the key's id is not reused meanwhile.)
-_BOUND: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 def _bound(fn: Callable, axes: tuple[str, ...]) -> Callable:
-  key = (id(fn), axes)
-  bound = _BOUND.get(key)
-  if bound is None:
-    inner = fn
-    for name in axes:  # (out_axes 0: outputs may depend on the axis, e.g. axis_index)
-      inner = jax.vmap(inner, in_axes=None, out_axes=0, axis_size=1, axis_name=name)
+  inner = fn
+  for name in axes:  # (out_axes 0: outputs may depend on the axis, e.g. axis_index)
+    inner = jax.vmap(inner, in_axes=None, out_axes=0, axis_size=1, axis_name=name)
 
-    @functools.wraps(fn)
-    def bound(*args, **kwargs):
-      outputs = inner(*args, **kwargs)
-      for _ in axes:
-        outputs = jax.tree.map(lambda x: x[0], outputs)
-      return outputs
+  @functools.wraps(fn)
+  def bound(*args, **kwargs):
+    outputs = inner(*args, **kwargs)
+    for _ in axes:
+      outputs = jax.tree.map(lambda x: x[0], outputs)
+    return outputs
 
-    _BOUND[key] = bound
   return bound
 
 
@@ -340,7 +330,7 @@ def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: 
   return jax.tree_util.tree_map_with_path(leaf, opt_state)
 
 
-def _unbound_axis_message(strategy: Strategy, error: NameError) -> str:
+def unbound_axis_message(strategy: Strategy, error: NameError) -> str:
   from parstrat._src import registry  # noqa: PLC0415 - the registry imports strategies
 
   where = [
@@ -728,6 +718,7 @@ class Trainer:
     self._policy_model = precision_lib.with_policy(with_rng_argument(model), self.policy)
     self._plan_model = as_stateful(self._policy_model)
     self._host_axes: tuple[str, ...] = ()  # mesh axes the model names (set by `init`)
+    self._host_models: dict[tuple, Any] = {}
     # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
     self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
     self._plan: Plan | None = None
@@ -845,31 +836,41 @@ class Trainer:
     return state
 
   def _host_model(self, model: Any) -> Any:
-    """`model` as traced outside the mesh (see `_layout`): its axes bound if it needs them."""
-    return bind_axes(model, self._host_axes)
+    """`model` as traced outside the mesh (see `_layout`): its axes bound if it needs them.
+
+    The same object each time for one model, so that `jax.jit`'s cache holds.
+    """
+    if not self._host_axes:
+      return model
+    key = (id(model), self._host_axes)  # (the trainer holds the model: no id reuse)
+    if key not in self._host_models:
+      self._host_models[key] = bind_axes(model, self._host_axes)
+    return self._host_models[key]
 
   def _layout(self, rng, abstract_inputs) -> tuple[Plan, TrainState, bool]:
     """The plan, the state as `ShapeDtypeStruct`s with their shardings, and rng use."""
     model = self._plan_model
-    # Traced here outside the mesh: a model whose collectives name the strategy's
-    # `model_axes` (a sync BatchNorm's "data") is traced, from here on, with them bound
-    # at size 1. Only such a model: the bound functions are new ones, which `jax.jit`
-    # compiles again for every trainer.
-    self._host_axes = ()
+    # Traced here outside the mesh: a model whose collectives (in `init` or `apply`)
+    # name the strategy's `model_axes` (a sync BatchNorm's "data") is traced, from here
+    # on, with them bound at size 1. Only such a model: bound functions are new ones,
+    # which `jax.jit` compiles again.
+
+    def trace(axes):
+      host = bind_axes(model, axes)
+      params, model_state = jax.eval_shape(host.init, rng, abstract_inputs)
+      return params, model_state, _reads_rng(host, params, model_state, abstract_inputs)
+
     try:
-      abstract_params, abstract_model_state = jax.eval_shape(model.init, rng, abstract_inputs)
+      axes, (abstract_params, abstract_model_state, uses_rng) = (), trace(())
     except NameError as e:  # JAX's "unbound axis name": a collective in the model
       if "unbound axis name" not in str(e):
         raise
       try:
-        abstract_params, abstract_model_state = jax.eval_shape(
-          bind_axes(model, self.strategy.model_axes).init, rng, abstract_inputs
-        )
+        axes = tuple(self.strategy.model_axes)
+        abstract_params, abstract_model_state, uses_rng = trace(axes)
       except NameError:
-        raise ValueError(_unbound_axis_message(self.strategy, e)) from None
-      self._host_axes = tuple(self.strategy.model_axes)
-    host = self._host_model(model)
-    uses_rng = _reads_rng(host, abstract_params, abstract_model_state, abstract_inputs)
+        raise ValueError(unbound_axis_message(self.strategy, e)) from None
+    self._host_axes = axes  # (the same model, so the same axes as any layout before)
     strategy = self.strategy
     if uses_rng and not strategy.supports_rng:
       raise ValueError(
