@@ -58,6 +58,7 @@ from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import available_devices
 from parstrat._src.strategy import axis_field
 from parstrat._src.strategy import bind_axes
+from parstrat._src.strategy import is_unbound_axis
 from parstrat._src.strategy import outputs_fn
 from parstrat._src.strategy import unbound_axis_message
 
@@ -569,8 +570,8 @@ class Auto(Strategy):
     host = as_stateful(model)
     try:
       abstract_params, abstract_state = jax.eval_shape(host.init, jax.random.key(0), sample)
-    except NameError as e:  # JAX's "unbound axis name"
-      if "unbound axis name" not in str(e):
+    except NameError as e:
+      if not is_unbound_axis(e):
         raise
       axes = {
         a for n in registry.available() for a in getattr(registry.lookup(n), "model_axes", ())

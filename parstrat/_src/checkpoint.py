@@ -123,7 +123,6 @@ class Checkpointer:
     if self.directory.exists() and not self.directory.is_dir():
       raise ValueError(f"Checkpointer: {self.directory} is a file, not a directory.")
     self.save_every = save_every
-    # The step this object last restored or wrote: its checkpoints are of one run.
     self._restored: int | None = None  # the step the run restored last went on from
     # (step, meta) of the checkpoint that holds this run's state as it was restored or
     # last written; a save of the same step and meta writes nothing.
@@ -223,9 +222,8 @@ class Checkpointer:
     later = sorted(s for s in steps if s >= step and s not in damaged)
     if self._held == (step, meta) and step in later:
       return False  # (this state is that checkpoint; what lies beyond stays until a write)
-    ours = (self._restored is not None and self._restored <= step) or (
-      bool(later) and set(later) <= self._written
-    )
+    branch = self._restored is not None and self._restored <= step  # went on from a restore
+    ours = branch or (bool(later) and set(later) <= self._written)
     rewritable = later == [step] and self.verify(step) not in (None, "has no manifest")
     if later and not ours and not rewritable:
       raise CheckpointError(
@@ -233,7 +231,6 @@ class Checkpointer:
         f"{', '.join(map(str, later))}, not of this run: saving step {step} would mix two "
         "runs. Restore one of them to go on from it, delete them, or use another directory."
       )
-    branch = self._restored is not None and self._restored <= step
     abandoned = [  # the run that went on from the restored step (not steps written since)
       s for s in later if branch and s != self._restored and s not in self._skipped | self._written
     ]

@@ -1057,8 +1057,8 @@ def _train_one(
     state = trainer.init(jax.random.key(args.seed), sample, sample_batch=data.example)
   except (TypeError, ValueError) as e:
     raise UsageError(str(e)) from None
-  outputs = trainer._abstract_outputs(sample)  # noqa: SLF001
-  if data.eval_batches is not None and hasattr(outputs, "shape") and outputs.shape:
+  outputs = None if data.eval_batches is None else trainer._abstract_outputs(sample)  # noqa: SLF001
+  if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
     # (training refuses such labels) it is a mistake in the data, named before training.
     outside = run_data.eval_label_outside(data.eval_batches(), outputs.shape[-1])

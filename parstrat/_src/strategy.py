@@ -330,6 +330,11 @@ def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: 
   return jax.tree_util.tree_map_with_path(leaf, opt_state)
 
 
+def is_unbound_axis(error: NameError) -> bool:
+  """Whether `error` is JAX's "unbound axis name": a collective over an axis not in scope."""
+  return "unbound axis name" in str(error)
+
+
 def unbound_axis_message(strategy: Strategy, error: NameError) -> str:
   from parstrat._src import registry  # noqa: PLC0415 - the registry imports strategies
 
@@ -862,8 +867,8 @@ class Trainer:
 
     try:
       axes, (abstract_params, abstract_model_state, uses_rng) = (), trace(())
-    except NameError as e:  # JAX's "unbound axis name": a collective in the model
-      if "unbound axis name" not in str(e):
+    except NameError as e:
+      if not is_unbound_axis(e):  # (a collective in the model, over an axis not in scope)
         raise
       try:
         axes = tuple(self.strategy.model_axes)

@@ -23,6 +23,7 @@ from parstrat._src.strategy import LossFn
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import as_stateful
 from parstrat._src.strategy import bind_axes
+from parstrat._src.strategy import is_unbound_axis
 from parstrat._src.strategy import softmax_cross_entropy
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -328,7 +329,7 @@ def check_strategy(
   except NameError as e:  # (a collective over one of the strategy's `model_axes`, e.g.
     # sync BatchNorm's over "data", runs in the reference over that axis of size 1: one
     # device, the whole batch)
-    if "unbound axis name" not in str(e):
+    if not is_unbound_axis(e):
       raise
     reference_model = bind_axes(reference_model, strategy.model_axes)
   reference_apply = jax.jit(reference_model.apply)  # compiled once for every optimizer

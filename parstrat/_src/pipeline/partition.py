@@ -525,11 +525,9 @@ def plan_stages(
       "several outputs, or return the array itself."
     )
   rows = jax.tree.leaves(inputs)[0].shape[0]
-  for count in (rows, rows + 1):  # (a time-major [T, B, ...] whose T equals B: the other)
-    shaped = jax.tree.map(
-      lambda x, n=count: jax.ShapeDtypeStruct((n, *x.shape[1:]), x.dtype), inputs
-    )
-    out = jax.eval_shape(apply_fn, params, shaped) if count != rows else outputs
+  one_more = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows + 1, *x.shape[1:]), x.dtype), inputs)
+  for count, out in ((rows, outputs), (rows + 1, jax.eval_shape(apply_fn, params, one_more))):
+    # (traced at a second size: a time-major [T, B, ...] whose T equals B fails there)
     if not out.shape or out.shape[0] != count:
       raise ValueError(
         f"A pipelined model's output must have the batch as its first axis (the pipeline "
