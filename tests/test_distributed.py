@@ -3,9 +3,11 @@
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -87,7 +89,12 @@ def test_hybrid_across_two_processes_matches_one_process(tmp_path):
   assert "processes: 2, 4 devices each" in outputs[0][0]
 
 
-def test_a_lost_process_stops_the_other(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_process_stopped_by_a_signal_stops_the_other(tmp_path, signum):
+  # (A process killed, SIGKILL, stops the others the same way.)
+  # SIGTERM: JAX's preemption service would catch it and let the run go on.
+  # SIGINT: the process would wait at JAX's shutdown barrier for the other,
+  # which waits for it in a collective (minutes).
   procs = _processes(tmp_path, ["--epochs", "100"], heartbeat=5)
   metrics = tmp_path / "metrics_0.jsonl"
   try:
@@ -96,16 +103,23 @@ def test_a_lost_process_stops_the_other(tmp_path):
       assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
       time.sleep(0.2)
     assert metrics.stat().st_size, "training never started"
-    procs[1].kill()
+    procs[1].send_signal(signum)
     start = time.monotonic()
-    _, err = procs[0].communicate(timeout=120)
+    _, stopped_err = procs[1].communicate(timeout=60)
+    _, err = procs[0].communicate(timeout=60)
   finally:
     for p in procs:
       if p.poll() is None:
         p.kill()
+  assert time.monotonic() - start < 60
   assert procs[0].returncode != 0
-  assert time.monotonic() - start < 120
-  assert "another task died" in err or "heartbeat" in err
+  # (gloo's error in the collective, or the coordinator's when the heartbeat stops)
+  assert "gloo" in err.lower() or "another task died" in err, err[-3000:]
+  if signum == signal.SIGTERM:
+    assert procs[1].returncode == -signal.SIGTERM
+  else:
+    assert procs[1].returncode == 130, stopped_err[-3000:]
+    assert "interrupted: SIGINT in a process of several" in stopped_err
 
 
 def test_a_missing_process_times_out_clearly(tmp_path):
@@ -122,3 +136,104 @@ def test_a_missing_process_times_out_clearly(tmp_path):
   assert alone.returncode != 0
   assert "joining 2 processes at 127.0.0.1" in err and "(giving up after 5 s)" in err
   assert "Timeout (0:00:05)!" in err
+
+
+def test_processes_given_different_flags_all_stop_naming_them(tmp_path):
+  port = _free_port()
+  common = ["--devices", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--join-timeout", "60"]  # fmt: skip
+  procs = [
+    _launch([*common, "--process-id", "0", "--seed", "1"], tmp_path / "m0.jsonl"),
+    _launch([*common, "--process-id", "1", "--seed", "2", "--batch-size", "32"], tmp_path / "m1"),
+  ]
+  outputs = _finish(procs, timeout=120)
+  for p, (_, err) in zip(procs, outputs, strict=True):
+    assert p.returncode == 2, err[-3000:]
+    assert (
+      "The processes were given different flags: --batch-size is 64 on process 0, 32 on "
+      "process 1; --seed is 1 on process 0, 2 on process 1. Start every process with the "
+      "same flags (only --process-id, --coordinator, --metrics, "
+    ) in err
+  assert not list(tmp_path.iterdir())  # nothing written
+
+
+_DIFFERENT_BATCHES = textwrap.dedent(
+  """
+  import sys
+  from parstrat._src import distributed
+  port, pid = sys.argv[1], int(sys.argv[2])
+  distributed.initialize(f"127.0.0.1:{port}", 2, pid, local_cpu_devices=2, timeout_s=60)
+  import haiku as hk, jax, numpy as np, optax, parstrat
+  for values in ({"--a": "1"} if pid else {"--a": "1", "--c": "2"},
+                 {"--a": "1", f"--{pid}": "1"}, {"--a": "1", "--b": "x" * 70 + str(pid)}):
+    try:
+      distributed.check_same_everywhere("flags", values)
+    except ValueError as e:
+      print(e)
+  distributed.check_same_everywhere("flags", {"--a": "1", "--b": "x" * 70})
+  model = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
+  trainer = parstrat.get("data_parallel")(model, optax.sgd(0.1))
+  rows = 4 if pid == 0 else 8  # a launcher's bug: process 1 loads twice its rows
+  x, y = np.ones((rows, 5), np.float32), np.zeros((rows,), np.int32)
+  state = trainer.init(jax.random.key(0), x[:2])
+  try:
+    trainer.step(state, (x, y))
+  except ValueError as e:
+    print(e)
+  state, _ = trainer.step(state, (x[:4], y[:4]))  # the state is still usable
+  print("trained", float(jax.tree.leaves(state.params)[0].sum()))
+  """
+)
+
+
+def test_processes_passing_batches_of_other_shapes_are_told_before_the_step():
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", _DIFFERENT_BATCHES, str(port), str(i)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=ENV,
+      cwd=ROOT,
+    )  # fmt: skip
+    for i in range(2)
+  ]
+  outputs = _finish(procs, timeout=120)
+  trained = []
+  for p, (out, err) in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+    lines = [line for line in out.splitlines() if not line.startswith("[Gloo]")]
+    assert lines[:4] == [
+      "The processes passed different numbers of flags.",
+      "The processes passed flags under different names.",
+      "The processes were given different flags: --b is "
+      + "x" * 64
+      + "... on process 0, "
+      + "x" * 64
+      + "... on process 1 (they differ further on).",
+      "The processes were given different batches (each process's rows, see "
+      "local_batch_rows): batch[0] is (4, 5) float32 on process 0, (8, 5) float32 on process 1;"
+      " batch[1] is (4,) int32 on process 0, (8,) int32 on process 1.",
+    ]
+    assert lines[4].startswith("trained ")
+    trained.append(lines[4])
+  assert trained[0] == trained[1]
+
+
+def test_a_coordinator_port_in_use_is_named(tmp_path):
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    alone = _launch(
+      ["--devices", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+       "--process-id", "0"],
+      tmp_path / "m.jsonl",
+    )  # fmt: skip
+    ((_, err),) = _finish([alone], timeout=60)
+  assert alone.returncode == 2, err[-3000:]  # (JAX's service crashed it: SIGSEGV)
+  assert (
+    f"error: --coordinator: process 0 cannot serve the run at 127.0.0.1:{port}: port {port} "
+    "is taken"
+  ) in err

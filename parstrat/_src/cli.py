@@ -44,7 +44,9 @@ class _StopRequests:
   The step in flight finishes, and the run saves and closes as at its end; a
   second signal stops at once (the default handlers are back). In the main
   thread of a single process only: elsewhere the signals keep their defaults
-  (one process of several cannot stop alone without hanging the others).
+  (one process of several cannot stop alone without hanging the others): a
+  process of several leaves at once (see `main`), and the others stop with an
+  error when its heartbeat does.
   """
 
   def __init__(self, say):
@@ -829,6 +831,33 @@ def _default_model(hidden: list[int], classes: int):
   return hk.transform(mlp)
 
 
+#: Flags each process of a run may set for itself; every other flag must be the same.
+PER_PROCESS = ("process_id", "coordinator", "metrics", "out", "no_progress", "data_dir",
+               "join_timeout", "heartbeat_timeout")  # fmt: skip
+
+
+def _run_flags(args: argparse.Namespace) -> dict[str, str]:
+  """Flag -> value of every flag that must be the same on each process (`PER_PROCESS` aside).
+
+  A `--config` file counts by its contents (a hash), not its path.
+  """
+  import hashlib
+
+  names = {
+    action.dest: action.option_strings[0]
+    for action in _train_parser(build_parser())._actions  # noqa: SLF001
+    if action.option_strings
+  }
+  flags = {names.get(k, k): repr(v) for k, v in vars(args).items() if k not in PER_PROCESS}
+  if args.config is not None:
+    try:
+      text = pathlib.Path(args.config).read_bytes()
+    except OSError as e:
+      text = f"unreadable: {e.strerror}".encode()
+    flags["--config"] = f"a file of sha256 {hashlib.sha256(text).hexdigest()[:12]}"
+  return flags
+
+
 def train(args: argparse.Namespace) -> dict:
   from parstrat._src import distributed
 
@@ -843,8 +872,18 @@ def train(args: argparse.Namespace) -> dict:
         timeout_s=args.join_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
       )
+      # Before anything else: processes started with other flags would run other
+      # programs, and hang or abort in their first collective.
+      distributed.check_same_everywhere("flags", _run_flags(args))
     except ValueError as e:
-      raise UsageError(str(e)) from None
+      raise UsageError(
+        f"{e} Start every process with the same flags (only "
+        f"{', '.join('--' + k.replace('_', '-') for k in PER_PROCESS)} may differ)."
+        if "different" in str(e)
+        else str(e)
+      ) from None
+    except ConnectionError as e:
+      raise UsageError(f"--coordinator: {e}") from None
   else:
     _setup_devices(args.devices or DEFAULT_DEVICES)
   import jax
@@ -1440,6 +1479,50 @@ def list_strategies() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs the command line; returns its exit code.
+
+  A process of a multi-process run that fails leaves at once (`os._exit`):
+  JAX's exit handler would otherwise wait at a shutdown barrier for the others,
+  while they wait for it in their next collective, for minutes. Without it
+  they stop when its heartbeat does.
+  """
+  try:
+    code = _main(argv)
+  except BaseException:
+    if not _joined_several():
+      raise
+    import traceback
+
+    import jax
+
+    traceback.print_exc()
+    error = sys.exc_info()[1]
+    first = (str(error).strip().splitlines() or [""])[0]
+    print(
+      f"parstrat: process {jax.process_index()} of {jax.process_count()} stops: "
+      f"{type(error).__name__}: {first}",
+      file=sys.stderr,
+    )
+    code = 1
+  if code and _joined_several():
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
+
+
+def _joined_several() -> bool:
+  """True in a process of a multi-process JAX run (without importing JAX)."""
+  if "jax" not in sys.modules:
+    return False
+  import jax
+
+  return jax.distributed.is_initialized()
+
+
+def _main(argv: Sequence[str] | None) -> int:
   parser = build_parser()
   try:
     args = parse_args(parser, argv)
@@ -1462,8 +1545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
   except (Interrupted, KeyboardInterrupt) as e:
     if not isinstance(e, Interrupted):  # outside a training loop: loading, compiling, ...
+      where = "in a process of several" if _joined_several() else "outside a training step"
       e = Interrupted(  # noqa: PLW2901
-        "SIGINT outside a training step; checkpoints already written are kept", 2
+        f"SIGINT {where}; checkpoints already written are kept", 2
       )
     print(f"parstrat {args.command}: interrupted: {e}", file=sys.stderr)
     return 128 + e.signum

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import sys
+from collections.abc import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 
@@ -34,16 +37,25 @@ def initialize(
     heartbeat_timeout_s: after this long without a heartbeat from a process,
       the others stop with an error instead of waiting for it forever.
 
+  JAX's preemption service is left off: it would take SIGTERM for itself and
+  let the run go on. A process of several stopped by a signal dies at once,
+  and the others stop when its heartbeat does (`heartbeat_timeout_s`).
+
   Raises:
     ValueError: for an inconsistent process id or count.
+    ConnectionError: when the coordination service cannot start or be
+      reached (an address already in use), naming the address.
   """
   if num_processes is not None and num_processes < 1:
     raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
   if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
     raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}.")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_enable_preemption_service", False)
   if local_cpu_devices is not None:
     jax.config.update("jax_num_cpu_devices", local_cpu_devices)
+  if process_id == 0 and coordinator is not None:
+    _check_port_free(coordinator)
   # JAX's own initialization timeout does not cover every wait (a process that
   # never starts leaves the others blocked in C++ device discovery, holding the
   # GIL), so bound the whole join with faulthandler's C-level watchdog: it
@@ -65,8 +77,94 @@ def initialize(
       heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
     jax.devices()  # returns once every process has joined
+  except jax.errors.JaxRuntimeError as e:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ConnectionError(f"cannot join the run at {where}: {detail}") from None
   finally:
     faulthandler.cancel_dump_traceback_later()
+
+
+def _check_port_free(coordinator: str) -> None:
+  """Raises `ConnectionError` if process 0 cannot serve at `coordinator`'s port.
+
+  (JAX's coordination service crashes the process, SIGSEGV, when its port is taken.)
+  """
+  import socket
+
+  _, _, port = coordinator.rpartition(":")
+  if not port.isdigit():
+    raise ValueError(f"coordinator must be HOST:PORT, got {coordinator!r}.")
+  for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # noqa: S104
+    try:
+      probe = socket.socket(family)
+    except OSError:  # no IPv6 here
+      continue
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      try:
+        probe.bind((host, int(port)))
+      except OSError as e:
+        raise ConnectionError(
+          f"process 0 cannot serve the run at {coordinator}: port {port} is taken "
+          f"({e.strerror or e}); choose another port"
+        ) from None
+    return
+
+
+_ROW = 72  # bytes per gathered value: 8 of its hash, then up to 64 of its text
+
+
+def _encode(text: str) -> np.ndarray:
+  raw = text.encode()
+  row = hashlib.sha256(raw).digest()[:8] + raw[: _ROW - 8]
+  return np.frombuffer(row.ljust(_ROW, b"\0"), np.uint8)
+
+
+def _decode(row: np.ndarray) -> str:
+  raw = bytes(row[8:]).rstrip(b"\0")
+  return raw.decode(errors="replace") + ("..." if len(raw) == _ROW - 8 else "")
+
+
+def check_same_everywhere(what: str, values: Mapping[str, str]) -> None:
+  """Checks that every process of the run passes the same `values`; one collective.
+
+  Every process must call it at the same point of the program (it gathers).
+  With one process it does nothing.
+
+  Args:
+    what: what the values are, for the error (e.g. "flags").
+    values: name -> text; the same names on every process.
+
+  Raises:
+    ValueError: naming each value that differs, with its text on each process
+      (the same error on every process, so all of them stop).
+
+  Example:
+    >>> check_same_everywhere("flags", {"--batch-size": "64"})  # one process: a no-op
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils
+
+  names = sorted(values)
+  header = _encode("\n".join(names))
+  rows = np.stack([header, *(_encode(str(values[n])) for n in names)])
+  gathered = np.asarray(multihost_utils.process_allgather(_encode(str(len(names)))))
+  if (gathered != gathered[0]).any():
+    raise ValueError(f"The processes passed different numbers of {what}.")
+  gathered = np.asarray(multihost_utils.process_allgather(rows))  # [process, 1 + value, byte]
+  if (gathered[:, 0] != gathered[0, 0]).any():
+    raise ValueError(f"The processes passed {what} under different names.")
+  differ = []
+  for i, name in enumerate(names, start=1):
+    column = gathered[:, i]
+    if (column != column[0]).any():
+      texts = [_decode(row) for row in column]
+      each = ", ".join(f"{text} on process {p}" for p, text in enumerate(texts))
+      further = " (they differ further on)" if len(set(texts)) == 1 else ""
+      differ.append(f"{name} is {each}{further}")
+  if differ:
+    raise ValueError(f"The processes were given different {what}: {'; '.join(differ)}.")
 
 
 def is_primary() -> bool:

@@ -1215,6 +1215,16 @@ class Trainer:
     """Validates a batch; `abstract` also accepts `jax.ShapeDtypeStruct` leaves."""
     self.plan  # noqa: B018 - raises a clear error before init
     batch = self._as_batch(batch, abstract)
+    if not abstract and self._batch_spec is None and jax.process_count() > 1:
+      # Each process passes its own rows; processes that pass different shapes
+      # would assemble different global batches and compile different programs.
+      distributed.check_same_everywhere(
+        "batches (each process's rows, see local_batch_rows)",
+        {
+          "batch" + jax.tree_util.keystr(path): f"{np.shape(x)} {x.dtype}"
+          for path, x in jax.tree_util.tree_leaves_with_path(batch)
+        },
+      )
     if not abstract:
       batch = self._to_global(batch)
     rows = _batch_size("batch", batch)
@@ -1257,7 +1267,9 @@ class Trainer:
       TypeError, ValueError: for a malformed batch (checked before anything runs,
         so `state` stays usable), a state that was already donated to an
         earlier `step` or belongs to another trainer, or (with `debug=True`
-        and the default loss) labels outside `[0, C)`.
+        and the default loss) labels outside `[0, C)`. With several processes,
+        the first `step` checks (one collective) that every process passed
+        rows of the same shapes and dtypes, naming those that differ.
     """
     self._check_state(state, "step")
     batch = self._placed(self._check_batch(batch))
