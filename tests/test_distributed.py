@@ -138,23 +138,71 @@ def test_a_missing_process_times_out_clearly(tmp_path):
   assert "Timeout (0:00:05)!" in err
 
 
-def test_processes_given_different_flags_all_stop_naming_them(tmp_path):
-  port = _free_port()
-  common = ["--devices", "2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-            "--join-timeout", "60"]  # fmt: skip
-  procs = [
-    _launch([*common, "--process-id", "0", "--seed", "1"], tmp_path / "m0.jsonl"),
-    _launch([*common, "--process-id", "1", "--seed", "2", "--batch-size", "32"], tmp_path / "m1"),
-  ]
-  outputs = _finish(procs, timeout=120)
-  for p, (_, err) in zip(procs, outputs, strict=True):
-    assert p.returncode == 2, err[-3000:]
-    assert (
+_DATASET = """
+import os
+import numpy as np
+
+def data(batch_size):
+  rng = np.random.default_rng(0)
+  batches = int(os.environ["BATCHES"])  # what this host's copy of the data holds
+  x = rng.normal(size=(batches * batch_size, 6)).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)], None
+"""
+
+
+def test_processes_given_different_flags_devices_or_data_all_stop_naming_them(tmp_path):
+  (dataset := tmp_path / "data.py").write_text(_DATASET)
+  cases = [
+    (
+      (["--seed", "1"], ["--seed", "2", "--batch-size", "32"]),
+      ({}, {}),
       "The processes were given different flags: --batch-size is 64 on process 0, 32 on "
       "process 1; --seed is 1 on process 0, 2 on process 1. Start every process with the "
-      "same flags (only --process-id, --coordinator, --metrics, "
-    ) in err
-  assert not list(tmp_path.iterdir())  # nothing written
+      "same flags (only --process-id, --coordinator, --metrics, ",
+    ),
+    (
+      (["--devices", "2"], ["--devices", "4"]),
+      ({}, {}),
+      "error: The processes have different numbers of devices: this one has ",
+    ),
+    (
+      (["--dataset", f"{dataset}:data", "--batch-size", "4"],) * 2,
+      ({"BATCHES": "3"}, {"BATCHES": "5"}),
+      "The processes were given different data: batches per epoch is 3 on process 0, 5 on "
+      "process 1. Every process must read the same data.",
+    ),
+  ]
+  for flags, env, message in cases:
+    port = _free_port()
+    common = ["--devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+              "--join-timeout", "60"]  # fmt: skip
+    procs = [
+      subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "parstrat",
+          *TRAIN,
+          *common,
+          "--process-id",
+          str(i),
+          "--metrics",
+          str(tmp_path / f"m{i}.jsonl"),
+          *flags[i],
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**ENV, **env[i]},
+        cwd=ROOT,
+      )  # fmt: skip
+      for i in range(2)
+    ]
+    for p, (_, err) in zip(procs, _finish(procs, timeout=120), strict=True):
+      assert p.returncode == 2, err[-3000:]
+      assert message in err, err[-3000:]
+  assert [p.name for p in tmp_path.iterdir()] == ["data.py"]  # nothing written
 
 
 _DIFFERENT_BATCHES = textwrap.dedent(
@@ -165,23 +213,28 @@ _DIFFERENT_BATCHES = textwrap.dedent(
   distributed.initialize(f"127.0.0.1:{port}", 2, pid, local_cpu_devices=2, timeout_s=60)
   import haiku as hk, jax, numpy as np, optax, parstrat
   for values in ({"--a": "1"} if pid else {"--a": "1", "--c": "2"},
-                 {"--a": "1", f"--{pid}": "1"}, {"--a": "1", "--b": "x" * 70 + str(pid)}):
+                 {"--a": "1", f"--{pid}": "1"}, {"--a": "1", "--b": "x" * 70 + str(pid)},
+                 {"--a": "é" * 40 if pid else "x" * 63}):
     try:
       distributed.check_same_everywhere("flags", values)
     except ValueError as e:
-      print(e)
+      print("SAID", e)
   distributed.check_same_everywhere("flags", {"--a": "1", "--b": "x" * 70})
   model = hk.without_apply_rng(hk.transform(lambda x: hk.Linear(3)(x)))
   trainer = parstrat.get("data_parallel")(model, optax.sgd(0.1))
   rows = 4 if pid == 0 else 8  # a launcher's bug: process 1 loads twice its rows
   x, y = np.ones((rows, 5), np.float32), np.zeros((rows,), np.int32)
-  state = trainer.init(jax.random.key(0), x[:2])
+  # (as the CLI does: with a sample_batch, the first step's batch is checked locally
+  # against it, which cannot tell the processes apart)
+  state = trainer.init(jax.random.key(0), x[:2], sample_batch=(x[:1], y[:1]))
+  if pid == 0:
+    trainer.lower(state, (x, y))  # one process alone: no collective, no hang
   try:
     trainer.step(state, (x, y))
   except ValueError as e:
-    print(e)
+    print("SAID", e)
   state, _ = trainer.step(state, (x[:4], y[:4]))  # the state is still usable
-  print("trained", float(jax.tree.leaves(state.params)[0].sum()))
+  print("SAID trained", float(jax.tree.leaves(state.params)[0].sum()))
   """
 )
 
@@ -203,21 +256,26 @@ def test_processes_passing_batches_of_other_shapes_are_told_before_the_step():
   trained = []
   for p, (out, err) in zip(procs, outputs, strict=True):
     assert p.returncode == 0, err[-3000:]
-    lines = [line for line in out.splitlines() if not line.startswith("[Gloo]")]
-    assert lines[:4] == [
-      "The processes passed different numbers of flags.",
-      "The processes passed flags under different names.",
+    lines = [line[5:] for line in out.splitlines() if line.startswith("SAID ")]
+    assert lines[:5] == [
+      "The processes passed different flags: process 1 has no --c.",
+      "The processes passed different flags: process 0 has no --1; process 1 has no --0.",
       "The processes were given different flags: --b is "
-      + "x" * 64
+      + "x" * 63
       + "... on process 0, "
-      + "x" * 64
+      + "x" * 63
       + "... on process 1 (they differ further on).",
+      "The processes were given different flags: --a is "
+      + "x" * 63
+      + " on process 0, "
+      + "é" * 31
+      + "... on process 1.",
       "The processes were given different batches (each process's rows, see "
       "local_batch_rows): batch[0] is (4, 5) float32 on process 0, (8, 5) float32 on process 1;"
       " batch[1] is (4,) int32 on process 0, (8,) int32 on process 1.",
     ]
-    assert lines[4].startswith("trained ")
-    trained.append(lines[4])
+    assert lines[5].startswith("trained ")
+    trained.append(lines[5])
   assert trained[0] == trained[1]
 
 
@@ -232,7 +290,7 @@ def test_a_coordinator_port_in_use_is_named(tmp_path):
       tmp_path / "m.jsonl",
     )  # fmt: skip
     ((_, err),) = _finish([alone], timeout=60)
-  assert alone.returncode == 2, err[-3000:]  # (JAX's service crashed it: SIGSEGV)
+  assert alone.returncode == 2, err[-3000:]  # (JAX's service crashed it at times: SIGSEGV)
   assert (
     f"error: --coordinator: process 0 cannot serve the run at 127.0.0.1:{port}: port {port} "
     "is taken"

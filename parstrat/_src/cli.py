@@ -837,54 +837,67 @@ PER_PROCESS = ("process_id", "coordinator", "metrics", "out", "no_progress", "da
 
 
 def _run_flags(args: argparse.Namespace) -> dict[str, str]:
-  """Flag -> value of every flag that must be the same on each process (`PER_PROCESS` aside).
+  """The flags every process of a run must share, as `{"--flag": repr(value)}`.
 
-  A `--config` file counts by its contents (a hash), not its path.
+  Every flag but `PER_PROCESS` and `--config`, whose keys are already merged
+  into `args` (so a comment in one copy of the file does not count).
+
+  Args:
+    args: the parsed `parstrat train` flags.
+
+  Returns:
+    Each flag's first option string -> the repr of its value.
   """
-  import hashlib
-
-  names = {
-    action.dest: action.option_strings[0]
-    for action in _train_parser(build_parser())._actions  # noqa: SLF001
-    if action.option_strings
-  }
-  flags = {names.get(k, k): repr(v) for k, v in vars(args).items() if k not in PER_PROCESS}
-  if args.config is not None:
-    try:
-      text = pathlib.Path(args.config).read_bytes()
-    except OSError as e:
-      text = f"unreadable: {e.strerror}".encode()
-    flags["--config"] = f"a file of sha256 {hashlib.sha256(text).hexdigest()[:12]}"
+  flags = {}
+  for action in _train_parser(build_parser())._actions:  # noqa: SLF001
+    if action.option_strings and action.dest not in (*PER_PROCESS, "config", "help"):
+      flags[action.option_strings[0]] = repr(getattr(args, action.dest, None))
   return flags
+
+
+def _join(args: argparse.Namespace) -> None:
+  """Joins the processes of a multi-process run and checks they were started alike.
+
+  Raises:
+    UsageError: an address that cannot be served, a bad process id or count,
+      processes with different numbers of devices or other flags.
+  """
+
+  from parstrat._src import distributed
+
+  source = "--coordinator" if args.coordinator else "JAX_COORDINATOR_ADDRESS"
+  try:
+    distributed.initialize(
+      args.coordinator,
+      args.num_processes,
+      args.process_id,
+      local_cpu_devices=args.devices or DEFAULT_DEVICES,
+      timeout_s=args.join_timeout,
+      heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  except ConnectionError as e:
+    raise UsageError(f"{source}: {e}") from None
+  # Before anything else: processes started with other flags would run other
+  # programs, and hang or abort in their first collective.
+  try:
+    distributed.check_same_everywhere("flags", _run_flags(args))
+  except ValueError as e:
+    allowed = ", ".join("--" + k.replace("_", "-") for k in PER_PROCESS)
+    raise UsageError(
+      f"{e} Start every process with the same flags (only {allowed} may differ)."
+    ) from None
+  _check_paths(args)  # (after joining: a process that stops here stops the others)
 
 
 def train(args: argparse.Namespace) -> dict:
   from parstrat._src import distributed
 
-  _check_paths(args)
   if _multi_process(args):
-    try:
-      distributed.initialize(
-        args.coordinator,
-        args.num_processes,
-        args.process_id,
-        local_cpu_devices=args.devices or DEFAULT_DEVICES,
-        timeout_s=args.join_timeout,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-      )
-      # Before anything else: processes started with other flags would run other
-      # programs, and hang or abort in their first collective.
-      distributed.check_same_everywhere("flags", _run_flags(args))
-    except ValueError as e:
-      raise UsageError(
-        f"{e} Start every process with the same flags (only "
-        f"{', '.join('--' + k.replace('_', '-') for k in PER_PROCESS)} may differ)."
-        if "different" in str(e)
-        else str(e)
-      ) from None
-    except ConnectionError as e:
-      raise UsageError(f"--coordinator: {e}") from None
+    _join(args)
   else:
+    _check_paths(args)
     _setup_devices(args.devices or DEFAULT_DEVICES)
   import jax
 
@@ -968,6 +981,10 @@ def train(args: argparse.Namespace) -> dict:
   except ValueError as e:  # ConfigError is a ValueError
     raise UsageError(str(e)) from None
   say(f"data: {data.description}")
+  try:  # (each process reads the data itself: from its own --data-dir, its own tfds)
+    distributed.check_same_everywhere("data", _data_fingerprint(data))
+  except ValueError as e:
+    raise UsageError(f"{e} Every process must read the same data.") from None
   if data.one_shot and len(strategies) > 1:
     raise UsageError(
       f"--compare: the train data of --dataset {args.dataset} is a one-shot iterator (a "
@@ -1001,6 +1018,25 @@ def train(args: argparse.Namespace) -> dict:
     report.draw_training_report({n: r["records"] for n, r in runs.items()}, picture)
     say(f"report: {picture}")
   return runs
+
+
+def _data_fingerprint(data) -> dict[str, str]:
+  """What tells one process's data from another's: its description, length, first example."""
+  import hashlib
+
+  import jax
+  import numpy as np
+
+  example = hashlib.sha256()
+  for leaf in jax.tree.leaves(data.example):
+    leaf = np.asarray(leaf)
+    example.update(f"{leaf.shape} {leaf.dtype}".encode())
+    example.update(np.ascontiguousarray(leaf).tobytes())
+  return {
+    "description": data.description,
+    "batches per epoch": str(data.steps_per_epoch),
+    "first example": f"sha256 {example.hexdigest()[:16]}",
+  }
 
 
 def _batch_rows_and_shape(batch, default_rows: int) -> tuple[int, tuple]:
@@ -1498,9 +1534,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     traceback.print_exc()
     error = sys.exc_info()[1]
     first = (str(error).strip().splitlines() or [""])[0]
+    hint = (
+      " (a collective failed: another process has probably stopped; see its output)"
+      if isinstance(error, jax.errors.JaxRuntimeError)
+      else ""
+    )
     print(
       f"parstrat: process {jax.process_index()} of {jax.process_count()} stops: "
-      f"{type(error).__name__}: {first}",
+      f"{type(error).__name__}: {first}{hint}",
       file=sys.stderr,
     )
     code = 1
@@ -1519,7 +1560,7 @@ def _joined_several() -> bool:
     return False
   import jax
 
-  return jax.distributed.is_initialized()
+  return jax.distributed.is_initialized() and jax.process_count() > 1
 
 
 def _main(argv: Sequence[str] | None) -> int:

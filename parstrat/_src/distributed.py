@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
+import os
 import sys
 from collections.abc import Mapping
 
@@ -25,8 +26,9 @@ def initialize(
 
   On CPU it selects the gloo collectives and gives the process
   `local_cpu_devices` virtual devices. With no arguments, JAX finds the
-  cluster itself (SLURM, Open MPI, Kubernetes, or the `JAX_COORDINATOR_ADDRESS`,
-  `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` environment variables).
+  cluster itself (SLURM, Open MPI, Kubernetes); the coordinator may also come
+  from the `JAX_COORDINATOR_ADDRESS` environment variable (JAX reads no such
+  variable for the process count or id).
 
   Args:
     coordinator: "host:port" of process 0's coordination service.
@@ -42,7 +44,8 @@ def initialize(
   and the others stop when its heartbeat does (`heartbeat_timeout_s`).
 
   Raises:
-    ValueError: for an inconsistent process id or count.
+    ValueError: for an inconsistent process id or count, or processes with
+      different numbers of devices.
     ConnectionError: when the coordination service cannot start or be
       reached (an address already in use), naming the address.
   """
@@ -54,8 +57,9 @@ def initialize(
   jax.config.update("jax_enable_preemption_service", False)
   if local_cpu_devices is not None:
     jax.config.update("jax_num_cpu_devices", local_cpu_devices)
-  if process_id == 0 and coordinator is not None:
-    _check_port_free(coordinator)
+  address = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if process_id == 0 and address:
+    _check_port_free(address)
   # JAX's own initialization timeout does not cover every wait (a process that
   # never starts leaves the others blocked in C++ device discovery, holding the
   # GIL), so bound the whole join with faulthandler's C-level watchdog: it
@@ -77,6 +81,7 @@ def initialize(
       heartbeat_timeout_seconds=heartbeat_timeout_s,
     )
     jax.devices()  # returns once every process has joined
+    check_devices_alike()
   except jax.errors.JaxRuntimeError as e:
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise ConnectionError(f"cannot join the run at {where}: {detail}") from None
@@ -85,9 +90,15 @@ def initialize(
 
 
 def _check_port_free(coordinator: str) -> None:
-  """Raises `ConnectionError` if process 0 cannot serve at `coordinator`'s port.
+  """Checks that process 0 can serve the run at `coordinator` ("host:port").
 
-  (JAX's coordination service crashes the process, SIGSEGV, when its port is taken.)
+  JAX's coordination service, started on a port already taken, sometimes
+  crashes the process (SIGSEGV) rather than raising. The port can still be
+  taken between this check and JAX's; `initialize` then reports JAX's error.
+
+  Raises:
+    ValueError: for an address without a numeric port.
+    ConnectionError: when the port is taken, naming it.
   """
   import socket
 
@@ -111,53 +122,82 @@ def _check_port_free(coordinator: str) -> None:
     return
 
 
-_ROW = 72  # bytes per gathered value: 8 of its hash, then up to 64 of its text
+_ROW = 72  # bytes per gathered text: 8 of its hash, 1 "cut short", up to 63 of the text
 
 
 def _encode(text: str) -> np.ndarray:
   raw = text.encode()
-  row = hashlib.sha256(raw).digest()[:8] + raw[: _ROW - 8]
+  row = hashlib.sha256(raw).digest()[:8] + bytes([len(raw) > _ROW - 9]) + raw[: _ROW - 9]
   return np.frombuffer(row.ljust(_ROW, b"\0"), np.uint8)
 
 
 def _decode(row: np.ndarray) -> str:
-  raw = bytes(row[8:]).rstrip(b"\0")
-  return raw.decode(errors="replace") + ("..." if len(raw) == _ROW - 8 else "")
+  text = bytes(row[9:]).rstrip(b"\0").decode(errors="ignore")
+  return text + ("..." if row[8] else "")
+
+
+def check_devices_alike() -> None:
+  """Checks that every process of the run has as many devices as this one.
+
+  Raises:
+    ValueError: naming this process's count and the run's total.
+  """
+  local, total, processes = jax.local_device_count(), jax.device_count(), jax.process_count()
+  if local * processes != total:
+    raise ValueError(
+      f"The processes have different numbers of devices: this one has {local}, the "
+      f"{processes} processes {total} in all. Give each process as many (parstrat train "
+      "--devices, or local_cpu_devices=)."
+    )
 
 
 def check_same_everywhere(what: str, values: Mapping[str, str]) -> None:
-  """Checks that every process of the run passes the same `values`; one collective.
+  """Checks that every process of the run passes the same `values` (two small collectives).
 
   Every process must call it at the same point of the program (it gathers).
   With one process it does nothing.
 
   Args:
     what: what the values are, for the error (e.g. "flags").
-    values: name -> text; the same names on every process.
+    values: name -> text. Texts are compared whole (by a hash) and shown up to
+      63 bytes.
 
   Raises:
-    ValueError: naming each value that differs, with its text on each process
-      (the same error on every process, so all of them stop).
+    ValueError: naming each value that differs, with its text on each process,
+      or the names some process did not pass (the same error on every process,
+      so all of them stop); or for processes with different numbers of devices.
 
   Example:
     >>> check_same_everywhere("flags", {"--batch-size": "64"})  # one process: a no-op
   """
   if jax.process_count() == 1:
     return
+  check_devices_alike()  # (gathering needs as many devices on each process)
   from jax.experimental import multihost_utils
 
+  def gather(x: np.ndarray) -> np.ndarray:
+    return np.asarray(multihost_utils.process_allgather(x))
+
   names = sorted(values)
-  header = _encode("\n".join(names))
-  rows = np.stack([header, *(_encode(str(values[n])) for n in names)])
-  gathered = np.asarray(multihost_utils.process_allgather(_encode(str(len(names)))))
-  if (gathered != gathered[0]).any():
-    raise ValueError(f"The processes passed different numbers of {what}.")
-  gathered = np.asarray(multihost_utils.process_allgather(rows))  # [process, 1 + value, byte]
-  if (gathered[:, 0] != gathered[0, 0]).any():
-    raise ValueError(f"The processes passed {what} under different names.")
+  counts = gather(np.asarray(len(names), np.int32))
+  width = int(counts.max())
+  if width == 0:
+    return
+  blank = [_encode("")] * (width - len(names))
+  mine = [*map(_encode, names), *blank, *(_encode(str(values[n])) for n in names), *blank]
+  rows = gather(np.stack(mine))  # [process, name... value..., byte]
+  seen = [[_decode(row) for row in rows[p, : counts[p]]] for p in range(len(rows))]
+  if any(names_p != seen[0] for names_p in seen):
+    everyone = set().union(*seen)
+    lacks = [
+      f"process {p} has no {', '.join(sorted(everyone - set(names_p)))}"
+      for p, names_p in enumerate(seen)
+      if everyone - set(names_p)
+    ]
+    raise ValueError(f"The processes passed different {what}: {'; '.join(lacks)}.")
   differ = []
-  for i, name in enumerate(names, start=1):
-    column = gathered[:, i]
+  for i, name in enumerate(names):
+    column = rows[:, width + i]
     if (column != column[0]).any():
       texts = [_decode(row) for row in column]
       each = ", ".join(f"{text} on process {p}" for p, text in enumerate(texts))

@@ -729,6 +729,7 @@ class Trainer:
     self._plan: Plan | None = None
     self._input_spec: Any = None  # per-example ShapeDtypeStructs of the model inputs
     self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
+    self._processes_agree = False  # every process's first `step` passed rows alike
     #: The `sample_batch` given to `init`, as `jax.ShapeDtypeStruct`s (or None).
     self.sample_batch: Any = None
     self._branches_checked: set[tuple[str, int]] = set()
@@ -956,6 +957,7 @@ class Trainer:
     self._rng_impl = _key_impl(rng)
     self._input_spec = _per_example(sample)
     self._batch_spec = None if sample_batch is None else _per_example(sample_batch)
+    self._processes_agree = False
     self._batch_source = "the sample_batch given to init"
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -1215,16 +1217,6 @@ class Trainer:
     """Validates a batch; `abstract` also accepts `jax.ShapeDtypeStruct` leaves."""
     self.plan  # noqa: B018 - raises a clear error before init
     batch = self._as_batch(batch, abstract)
-    if not abstract and self._batch_spec is None and jax.process_count() > 1:
-      # Each process passes its own rows; processes that pass different shapes
-      # would assemble different global batches and compile different programs.
-      distributed.check_same_everywhere(
-        "batches (each process's rows, see local_batch_rows)",
-        {
-          "batch" + jax.tree_util.keystr(path): f"{np.shape(x)} {x.dtype}"
-          for path, x in jax.tree_util.tree_leaves_with_path(batch)
-        },
-      )
     if not abstract:
       batch = self._to_global(batch)
     rows = _batch_size("batch", batch)
@@ -1272,6 +1264,18 @@ class Trainer:
         rows of the same shapes and dtypes, naming those that differ.
     """
     self._check_state(state, "step")
+    if not self._processes_agree and jax.process_count() > 1:
+      # Each process passes its own rows; processes that pass different shapes
+      # would assemble different global batches and compile different programs.
+      # Once per layout, at its first step: every process runs it at the same point.
+      distributed.check_same_everywhere(
+        "batches (each process's rows, see local_batch_rows)",
+        {
+          "batch" + jax.tree_util.keystr(path): f"{np.shape(x)} {np.result_type(x)}"
+          for path, x in jax.tree_util.tree_leaves_with_path(self._as_batch(batch))
+        },
+      )
+      self._processes_agree = True
     batch = self._placed(self._check_batch(batch))
     if self.strategy.debug and self.uses_default_loss:
       self._check_label_range(*batch)
