@@ -439,3 +439,16 @@ def test_a_stateful_model_is_measured_without_a_sample_batch():
     fsdp_state, fsdp_metrics = fsdp.step(fsdp_state, (x, y))
     assert float(metrics["loss"]) == float(fsdp_metrics["loss"])
   jax.tree.map(np.testing.assert_array_equal, state.model_state, fsdp_state.model_state)
+
+
+def test_a_tie_goes_to_the_built_in_strategy_not_a_users_copy(measured):
+  # A user's strategy registered (for a negative test, say) under a name sorting first
+  # tied with data_parallel on every figure and was chosen by its name.
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class ACopy(parstrat.DataParallel):
+    pass
+
+  dp = by_label(measured)["data_parallel [data=4]"]
+  copy = dataclasses.replace(dp, name="a_copy", strategy=ACopy(data=4))
+  for order in ([copy, *measured], [*measured, copy]):
+    assert type(auto_lib.rank(order, None).strategy) is parstrat.DataParallel

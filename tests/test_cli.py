@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+import parstrat
 from parstrat._src import cli
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -153,6 +154,25 @@ def test_list_shows_every_strategy_with_axes(capsys):
   assert "fsdp             axes: data" in out
   assert "tensor           axes: model" in out
   assert "auto             axes: chosen" in out
+
+
+def test_list_imports_strategies_of_ones_own(tmp_path, capsys):
+  mine = tmp_path / "my_strategies.py"
+  mine.write_text(
+    "import parstrat\n\n"
+    "@parstrat.register('my_data_parallel')\n"
+    "class Mine(parstrat.DataParallel):\n"
+    '  """Data parallelism of my own."""\n'
+  )
+  try:
+    assert cli.main(["list", "--import", str(mine)]) == 0
+    assert "my_data_parallel axes: data                 Data parallelism of my own." in (
+      capsys.readouterr().out
+    )
+    assert cli.main(["train", "--import", str(mine), "--strategy", "my_data_paralel"]) == 2
+    assert f"(--import {mine} registered no such name.)" in capsys.readouterr().err
+  finally:
+    parstrat.unregister("my_data_parallel")
 
 
 def test_train_auto_prints_its_choice(capsys):

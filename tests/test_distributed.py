@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -143,8 +144,8 @@ import os
 import numpy as np
 
 def data(batch_size):
-  rng = np.random.default_rng(0)
-  batches = int(os.environ["BATCHES"])  # what this host's copy of the data holds
+  rng = np.random.default_rng(int(os.environ["SEED"]))  # what this host's copy holds
+  batches = int(os.environ["BATCHES"])
   x = rng.normal(size=(batches * batch_size, 6)).astype(np.float32)
   y = (x[:, 0] > 0).astype(np.int32)
   return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)], None
@@ -153,6 +154,9 @@ def data(batch_size):
 
 def test_processes_given_different_flags_devices_or_data_all_stop_naming_them(tmp_path):
   (dataset := tmp_path / "data.py").write_text(_DATASET)
+  (mine := tmp_path / "a.toml").write_text("lr = 0.1\nbatch-size = 64\nepochs = 1\n")
+  # (the same keys in another order, a comment: the merged flags are compared, not files)
+  (theirs := tmp_path / "b.toml").write_text("# b\nepochs = 1\nbatch-size = 64\nlr = 0.2\n")
   cases = [
     (
       (["--seed", "1"], ["--seed", "2", "--batch-size", "32"]),
@@ -162,15 +166,25 @@ def test_processes_given_different_flags_devices_or_data_all_stop_naming_them(tm
       "same flags (only --process-id, --coordinator, --metrics, ",
     ),
     (
+      (["--config", str(mine)], ["--config", str(theirs)]),
+      ({}, {}),
+      "error: The processes were given different flags: --lr is 0.1 on process 0, 0.2 on "
+      "process 1. Start",
+    ),
+    (
       (["--devices", "2"], ["--devices", "4"]),
       ({}, {}),
-      "error: The processes have different numbers of devices: this one has ",
+      "error: The processes have different numbers of devices: 2 on process 0, 4 on "
+      "process 1. Give each",
     ),
     (
       (["--dataset", f"{dataset}:data", "--batch-size", "4"],) * 2,
-      ({"BATCHES": "3"}, {"BATCHES": "5"}),
-      "The processes were given different data: batches per epoch is 3 on process 0, 5 on "
-      "process 1. Every process must read the same data.",
+      ({"BATCHES": "3", "SEED": "0"}, {"BATCHES": "5", "SEED": "1"}),
+      re.compile(
+        r"The processes were given different data: batches per epoch is 3 on process 0, 5 "
+        r"on process 1; first example is sha256 \w+ on process 0, sha256 \w+ on process 1. "
+        r"Every process must read the same data."
+      ),
     ),
   ]
   for flags, env, message in cases:
@@ -201,8 +215,10 @@ def test_processes_given_different_flags_devices_or_data_all_stop_naming_them(tm
     ]
     for p, (_, err) in zip(procs, _finish(procs, timeout=120), strict=True):
       assert p.returncode == 2, err[-3000:]
-      assert message in err, err[-3000:]
-  assert [p.name for p in tmp_path.iterdir()] == ["data.py"]  # nothing written
+      assert re.search(message, err) if isinstance(message, re.Pattern) else message in err, err[
+        -3000:
+      ]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toml", "b.toml", "data.py"]
 
 
 _DIFFERENT_BATCHES = textwrap.dedent(
@@ -214,7 +230,7 @@ _DIFFERENT_BATCHES = textwrap.dedent(
   import haiku as hk, jax, numpy as np, optax, parstrat
   for values in ({"--a": "1"} if pid else {"--a": "1", "--c": "2"},
                  {"--a": "1", f"--{pid}": "1"}, {"--a": "1", "--b": "x" * 70 + str(pid)},
-                 {"--a": "é" * 40 if pid else "x" * 63}):
+                 {"--a": "é" * 40 if pid else "x" * 63}, {"x" * 70 + str(pid): "1"}):
     try:
       distributed.check_same_everywhere("flags", values)
     except ValueError as e:
@@ -257,7 +273,7 @@ def test_processes_passing_batches_of_other_shapes_are_told_before_the_step():
   for p, (out, err) in zip(procs, outputs, strict=True):
     assert p.returncode == 0, err[-3000:]
     lines = [line[5:] for line in out.splitlines() if line.startswith("SAID ")]
-    assert lines[:5] == [
+    assert lines[:6] == [
       "The processes passed different flags: process 1 has no --c.",
       "The processes passed different flags: process 0 has no --1; process 1 has no --0.",
       "The processes were given different flags: --b is "
@@ -270,12 +286,13 @@ def test_processes_passing_batches_of_other_shapes_are_told_before_the_step():
       + " on process 0, "
       + "é" * 31
       + "... on process 1.",
+      "The processes passed different flags: names that differ after their first 63 bytes.",
       "The processes were given different batches (each process's rows, see "
       "local_batch_rows): batch[0] is (4, 5) float32 on process 0, (8, 5) float32 on process 1;"
       " batch[1] is (4,) int32 on process 0, (8,) int32 on process 1.",
     ]
-    assert lines[5].startswith("trained ")
-    trained.append(lines[5])
+    assert lines[6].startswith("trained ")
+    trained.append(lines[6])
   assert trained[0] == trained[1]
 
 

@@ -52,9 +52,24 @@ def test_register_rejects_non_strategies_and_bad_names():
     parstrat.register("nope")(int)
   with pytest.raises(ValueError, match="non-empty string"):
     parstrat.register("")
-  for bad in (" mine", "my,strategy", "my strategy"):  # (--compare splits on commas)
-    with pytest.raises(ValueError, match=f"may not hold spaces or commas, got {bad!r}"):
+  for bad in (" mine", "my,strategy", "my strategy", "--mine"):  # (--compare splits on commas)
+    with pytest.raises(ValueError, match=f"or start with '-', got {bad!r}"):
       parstrat.register(bad)
+  with pytest.raises(TypeError, match=r"needs a name: write @parstrat.register\('my_name'\)"):
+
+    @parstrat.register
+    class Nameless(parstrat.DataParallel):
+      pass
+
+  class OwnInit(parstrat.DataParallel):  # get("own", n=2) would refuse n: not a field
+    def __init__(self, n=2, **kwargs):
+      super().__init__(**kwargs)
+
+  with pytest.raises(TypeError, match=r"OwnInit defines its own __init__; make it a frozen"):
+    parstrat.register("own")(OwnInit)
+  parstrat.register("own")(type("NoInit", (parstrat.DataParallel,), {}))  # fields inherited
+  assert parstrat.get("own", data=2).data == 2
+  parstrat.unregister("own")
 
   class Unfinished(parstrat.Strategy):  # no make_plan
     def make_mesh(self):

@@ -8,6 +8,7 @@ import textwrap
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax
@@ -147,7 +148,11 @@ CONFORMANCE = {
 
 
 def test_catches_summed_gradients():
-  with pytest.raises(AssertionError, match=r"with sgd does not match .*loss differs from step 2"):
+  with pytest.raises(
+    AssertionError,
+    match=r"with sgd does not match .*loss differs from step 2.*grad_norm.*\(ratio 4: the size "
+    r"of a mesh axis, a sum where a mean belongs\?\)",
+  ):
     parstrat.testing.check_strategy(SumsGradients(), **KIT)
 
 
@@ -313,3 +318,100 @@ def test_the_reference_compiles_its_step_once_for_every_step():
       parstrat.testing.reference_train(model, optax.adam(1e-3), batches[:steps], params)
     counts.append(len(compiles))
   assert counts[0] == counts[1], counts
+
+
+def _attention(tokens):
+  x = hk.Embed(16, 16)(tokens)
+  h = hk.MultiHeadAttention(4, 4, w_init=hk.initializers.VarianceScaling(1.0))(x, x, x)
+  return hk.Linear(16)(hk.LayerNorm(-1, True, True)(x + h))
+
+
+def _next_token_loss(logits, batch):
+  return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def test_a_param_whose_gradient_is_rounding_noise_is_compared_within_its_movement():
+  # Attention's key bias has a zero gradient but for rounding (softmax ignores a shift
+  # of a query's logits): Adam turns that rounding into steps of about its learning
+  # rate, which no two summation orders share. The built-in data_parallel failed
+  # the kit at its default tolerance, by 2e-4, on every transformer.
+  tokens = np.random.default_rng(0).integers(0, 16, (3, 16, 9)).astype(np.int32)
+  batches = [{"tokens": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+  (report,) = parstrat.testing.check_strategy(
+    "data_parallel",
+    hk.without_apply_rng(hk.transform(_attention)),
+    {"adam": optax.adam(1e-3)},  # named: reported as "adam", compared at the default atol
+    batches=batches,
+    model_inputs=lambda b: b["tokens"],
+    loss_fn=_next_token_loss,
+  )
+  assert report.optimizer == "adam"
+  assert report.rounding_level_leaves == ("['multi_head_attention/key']['b']",)
+  assert "1 leaves with gradients at rounding level" in str(report)
+
+
+def test_a_rounding_level_param_that_moves_beyond_twice_the_reference_is_named():
+  reference = {"w": np.ones(3), "b": np.full(3, 0.5)}
+  loose = {"w": None, "b": 1e-3}
+  assert parstrat_testing._first_divergence(reference, reference, 1e-5, 1e-5, loose) == ("", 0.0)
+  moved = {"w": np.ones(3), "b": np.full(3, 0.502)}
+  name, diff = parstrat_testing._first_divergence(moved, reference, 1e-5, 1e-5, loose)
+  assert name == (
+    "['b'] (its reference gradient is at rounding level, so compared within 0.001: twice its "
+    "reference movement)"
+  )
+  assert diff == pytest.approx(2e-3)
+
+
+def _returning(change):
+  """A `loss_and_grad` edit: data parallelism's, its `(loss, grads, state)` changed."""
+
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class Edited(DataParallelOnFour):
+    def make_plan(self, model, loss_fn, mesh, sample_params, sample_inputs):
+      plan = super().make_plan(model, loss_fn, mesh, sample_params, sample_inputs)
+      inner = plan.loss_and_grad
+      return dataclasses.replace(plan, loss_and_grad=lambda *a: change(*inner(*a)))
+
+  return Edited()
+
+
+@pytest.mark.parametrize(
+  "change, error, message",
+  [
+    (lambda loss, g, s: (loss, g), TypeError, r"must return \(loss, grads, model_state\), got 2"),
+    (
+      lambda loss, g, s: (jnp.stack([loss, loss]), g, s),
+      ValueError,
+      r"must return a scalar loss \(this device's, or the mean\), got shape \(2,\)",
+    ),
+    (
+      lambda loss, g, s: (loss, {k: v for k, v in g.items() if "linear_0" not in k}, s),
+      TypeError,
+      r"returned gradients unlike the params: no gradient for \['mlp/~/linear_0'\]\['b'\]",
+    ),
+    (
+      # (JAX broadcast a [1] gradient into a [512] param's update: training went on)
+      lambda loss, g, s: (loss, jax.tree.map(lambda x: x[:1], g), s),
+      ValueError,
+      r"returned grads\['mlp/~/linear_0'\]\['b'\] of shape \(1,\); this device holds that "
+      r"param with shape \(512,\)",
+    ),
+  ],
+  ids=["two_values", "vector_loss", "missing_leaf", "wrong_shape"],
+)
+def test_a_plans_gradients_unlike_its_params_are_named(change, error, message):
+  trainer = _returning(change)(parstrat.testing.seed_mlp(), optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), jnp.zeros((1, 784)))
+  with pytest.raises(error, match=message):
+    trainer.step(state, (jnp.zeros((8, 784)), jnp.zeros((8,), jnp.int32)))
+
+
+def test_a_make_mesh_that_returns_nothing_is_named():
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class Forgetful(DataParallelOnFour):
+    def make_mesh(self):
+      super().make_mesh()  # (no return: AttributeError on None's axis_names at init)
+
+  with pytest.raises(TypeError, match=r"Forgetful\(\).make_mesh returned NoneType, not a jax"):
+    Forgetful()(parstrat.testing.seed_mlp(), optax.sgd(0.1))

@@ -414,7 +414,8 @@ class Auto(Strategy):
   policies "recompute", "dots_saveable" and "save"): the per-device memory of its
   compiled step, from XLA's memory analysis, and an estimated step time from
   the cost model in this module's docstring. Among those within
-  `memory_budget` the fastest estimate wins (ties: less memory, then name);
+  `memory_budget` the fastest estimate wins (ties: less memory, then a
+  built-in strategy before a registered one of the user's, then name);
   the ranked table and the reason are printed (`verbose`) and kept in
   `trainer.choice`. The trainer then runs the winner as if it had been asked
   for by name.
@@ -681,6 +682,13 @@ def batch_axes(batch_spec) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
+def _built_in(candidate: Candidate) -> bool:
+  """True for a strategy parstrat ships (ties go to it rather than to one of a user's)."""
+  if candidate.strategy is None:  # (listed only, never chosen)
+    return True
+  return type(candidate.strategy).__module__.startswith("parstrat.")
+
+
 def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Choice:
   """Chooses among measured candidates: the fastest estimate within the budget.
 
@@ -697,7 +705,7 @@ def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Ch
 
   # A redundant candidate (an axis that divides no work) is listed, never chosen.
   runnable = [c for c in candidates if c.peak_bytes is not None and not c.problem]
-  speed = lambda c: (c.time_s, c.peak_bytes, c.label)  # noqa: E731
+  speed = lambda c: (c.time_s, c.peak_bytes, not _built_in(c), c.label)  # noqa: E731
   redundant = sorted((c for c in candidates if c.peak_bytes is not None and c.problem), key=speed)
   fits = sorted((c for c in runnable if not over(c)), key=speed)
   too_big = sorted(

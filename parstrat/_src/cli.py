@@ -223,16 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument("--config", default=None, help="TOML file of flags (batch-size = 128, ...)")
   train.add_argument("--strategy", default="data_parallel", help="a registered strategy name")
-  train.add_argument(
-    "--import",
-    dest="imports",
-    metavar="MODULE",
-    nargs="+",
-    action="extend",
-    default=None,
-    help="import these first ('package.module' or 'path/file.py'), e.g. a module that "
-    "registers your own strategy with @parstrat.register",
-  )
+  _add_import(train)
   train.add_argument(
     "--model-fn",
     default=None,
@@ -499,8 +490,39 @@ def build_parser() -> argparse.ArgumentParser:
     "--csv", default=None, help="CSV file to write the schedule into (torch.distributed format)"
   )
 
-  sub.add_parser("list", help="list the registered strategies", formatter_class=defaults)
+  _add_import(
+    sub.add_parser("list", help="list the registered strategies", formatter_class=defaults)
+  )
   return parser
+
+
+def _add_import(parser: argparse.ArgumentParser) -> None:
+  """Adds `--import MODULE...` (modules that register strategies of one's own)."""
+  parser.add_argument(
+    "--import",
+    dest="imports",
+    metavar="MODULE",
+    nargs="+",
+    action="extend",
+    default=None,
+    help="import these first ('package.module' or 'path/file.py'), e.g. a module that "
+    "registers your own strategy with @parstrat.register",
+  )
+
+
+def _import_modules(args: argparse.Namespace) -> None:
+  """Imports `--import`'s modules (a strategy of one's own registers on import).
+
+  Raises:
+    UsageError: for a module that cannot be imported, naming it.
+  """
+  from parstrat._src import config
+
+  for target in args.imports or ():
+    try:
+      config.import_module(target, "--import")
+    except ValueError as e:  # ConfigError is a ValueError
+      raise UsageError(str(e)) from None
 
 
 def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -795,6 +817,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
 
 
 def _multi_process(args: argparse.Namespace) -> bool:
+  """True when this run joins others: `--coordinator` or `JAX_COORDINATOR_ADDRESS` is set."""
   import os
 
   return args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
@@ -848,15 +871,24 @@ def _run_flags(args: argparse.Namespace) -> dict[str, str]:
   Returns:
     Each flag's first option string -> the repr of its value.
   """
-  flags = {}
-  for action in _train_parser(build_parser())._actions:  # noqa: SLF001
-    if action.option_strings and action.dest not in (*PER_PROCESS, "config", "help"):
-      flags[action.option_strings[0]] = repr(getattr(args, action.dest, None))
-  return flags
+  return {
+    flag: repr(getattr(args, dest, None))
+    for dest, flag in _train_flags().items()
+    if dest not in (*PER_PROCESS, "config", "help")
+  }
+
+
+def _train_flags() -> dict[str, str]:
+  """`parstrat train`'s flags: each destination -> its first option string."""
+  actions = _train_parser(build_parser())._actions  # noqa: SLF001
+  return {a.dest: a.option_strings[0] for a in actions if a.option_strings}
 
 
 def _join(args: argparse.Namespace) -> None:
   """Joins the processes of a multi-process run and checks they were started alike.
+
+  Args:
+    args: the parsed `parstrat train` flags (`--coordinator`, ...).
 
   Raises:
     UsageError: an address that cannot be served, a bad process id or count,
@@ -884,7 +916,7 @@ def _join(args: argparse.Namespace) -> None:
   try:
     distributed.check_same_everywhere("flags", _run_flags(args))
   except ValueError as e:
-    allowed = ", ".join("--" + k.replace("_", "-") for k in PER_PROCESS)
+    allowed = ", ".join(_train_flags()[k] for k in PER_PROCESS)
     raise UsageError(
       f"{e} Start every process with the same flags (only {allowed} may differ)."
     ) from None
@@ -916,11 +948,7 @@ def train(args: argparse.Namespace) -> dict:
         f"available" + ("" if _on_cpu(devices) else f"; {_cpu_hint(args.devices)}")
       )
     devices = devices[: args.devices]
-  for target in args.imports or ():  # (a strategy of your own registers on import)
-    try:
-      config.import_module(target, "--import")
-    except ValueError as e:  # ConfigError is a ValueError
-      raise UsageError(str(e)) from None
+  _import_modules(args)
   names = _compare_names(args) if args.compare else [args.strategy]
   twice = sorted({name for name in names if names.count(name) > 1})
   if twice:  # (each run writes DIR/<name>/: the second would overwrite the first)
@@ -938,8 +966,10 @@ def train(args: argparse.Namespace) -> dict:
         strategies[name].make_mesh()
     except KeyError as e:  # (with --compare the names come from the command line)
       message = (
-        f"{e.args[0]} A strategy of your own is registered when its module is imported: "
-        "pass --import MODULE."
+        f"{e.args[0]} (--import {' '.join(args.imports)} registered no such name.)"
+        if args.imports
+        else f"{e.args[0]} A strategy of your own is registered when its module is "
+        "imported: pass --import MODULE."
       )
       raise (
         UsageError(message) if args.compare else _bad_option(args, "strategy", message)
@@ -1021,7 +1051,15 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _data_fingerprint(data) -> dict[str, str]:
-  """What tells one process's data from another's: its description, length, first example."""
+  """What tells one process's data from another's.
+
+  Args:
+    data: a loaded `run_data.RunData`.
+
+  Returns:
+    Its description, batches per epoch and a hash of its first example (shapes,
+    dtypes and bytes), as texts for `distributed.check_same_everywhere`.
+  """
   import hashlib
 
   import jax
@@ -1536,7 +1574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = (str(error).strip().splitlines() or [""])[0]
     hint = (
       " (a collective failed: another process has probably stopped; see its output)"
-      if isinstance(error, jax.errors.JaxRuntimeError)
+      if isinstance(error, jax.errors.JaxRuntimeError) and "gloo" in str(error).lower()
       else ""
     )
     print(
@@ -1576,6 +1614,7 @@ def _main(argv: Sequence[str] | None) -> int:
     elif args.command == "schedule":
       schedule(args)
     elif args.command == "list":
+      _import_modules(args)
       list_strategies()
     sys.stdout.flush()  # inside the try: a closed pipe is found here, not at exit
   except UsageError as e:

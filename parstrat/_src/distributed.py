@@ -64,7 +64,7 @@ def initialize(
   # never starts leaves the others blocked in C++ device discovery, holding the
   # GIL), so bound the whole join with faulthandler's C-level watchdog: it
   # prints where the process waited and exits.
-  where = coordinator or "the detected coordinator"
+  where = address or "the detected coordinator"
   print(
     f"parstrat: joining {num_processes or 'all'} processes at {where} "
     f"(giving up after {timeout_s} s)",
@@ -126,28 +126,32 @@ _ROW = 72  # bytes per gathered text: 8 of its hash, 1 "cut short", up to 63 of 
 
 
 def _encode(text: str) -> np.ndarray:
+  """`text` as a row of `_ROW` bytes: its hash (all of it counts), cut-short flag, text."""
   raw = text.encode()
   row = hashlib.sha256(raw).digest()[:8] + bytes([len(raw) > _ROW - 9]) + raw[: _ROW - 9]
   return np.frombuffer(row.ljust(_ROW, b"\0"), np.uint8)
 
 
 def _decode(row: np.ndarray) -> str:
+  """The text of an `_encode`d row, with "..." where it was cut short."""
   text = bytes(row[9:]).rstrip(b"\0").decode(errors="ignore")
   return text + ("..." if row[8] else "")
 
 
 def check_devices_alike() -> None:
-  """Checks that every process of the run has as many devices as this one.
+  """Checks that every process of the run has as many devices (no collective).
 
   Raises:
-    ValueError: naming this process's count and the run's total.
+    ValueError: naming each process's device count.
   """
-  local, total, processes = jax.local_device_count(), jax.device_count(), jax.process_count()
-  if local * processes != total:
+  counts: dict[int, int] = {}
+  for device in jax.devices():
+    counts[device.process_index] = counts.get(device.process_index, 0) + 1
+  if len(set(counts.values())) > 1:
+    each = ", ".join(f"{n} on process {p}" for p, n in sorted(counts.items()))
     raise ValueError(
-      f"The processes have different numbers of devices: this one has {local}, the "
-      f"{processes} processes {total} in all. Give each process as many (parstrat train "
-      "--devices, or local_cpu_devices=)."
+      f"The processes have different numbers of devices: {each}. Give each process as "
+      "many (parstrat train --devices, or local_cpu_devices=)."
     )
 
 
@@ -186,15 +190,16 @@ def check_same_everywhere(what: str, values: Mapping[str, str]) -> None:
   blank = [_encode("")] * (width - len(names))
   mine = [*map(_encode, names), *blank, *(_encode(str(values[n])) for n in names), *blank]
   rows = gather(np.stack(mine))  # [process, name... value..., byte]
-  seen = [[_decode(row) for row in rows[p, : counts[p]]] for p in range(len(rows))]
-  if any(names_p != seen[0] for names_p in seen):
+  if (counts != counts[0]).any() or (rows[:, :width] != rows[0, :width]).any():
+    seen = [[_decode(row) for row in rows[p, : counts[p]]] for p in range(len(rows))]
     everyone = set().union(*seen)
     lacks = [
       f"process {p} has no {', '.join(sorted(everyone - set(names_p)))}"
       for p, names_p in enumerate(seen)
       if everyone - set(names_p)
     ]
-    raise ValueError(f"The processes passed different {what}: {'; '.join(lacks)}.")
+    detail = "; ".join(lacks) or "names that differ after their first 63 bytes"
+    raise ValueError(f"The processes passed different {what}: {detail}.")
   differ = []
   for i, name in enumerate(names):
     column = rows[:, width + i]

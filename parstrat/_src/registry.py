@@ -25,12 +25,15 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
     A decorator that registers the class and returns it unchanged.
 
   Raises:
-    ValueError: if `name` is empty or holds spaces or commas, or is taken and
+    ValueError: if `name` is empty, holds spaces or commas or starts with
+      "-", or is taken and
       `overwrite` is False (a class of the same module and qualified name as
       the registered one counts as the same class seen again, e.g. its module
       reloaded, and replaces it).
     TypeError: if the decorated object is not a `parstrat.Strategy` subclass,
-      or leaves an abstract method (`make_plan`) unimplemented.
+      leaves an abstract method (`make_plan`) unimplemented, or defines its own
+      `__init__` without being a dataclass (its options would not reach it);
+      for `@parstrat.register` without a name.
 
   Example:
     >>> import parstrat
@@ -41,11 +44,19 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
 
     See examples/custom_strategy.py for a strategy written from scratch.
   """
+  if isinstance(name, type):  # `@parstrat.register` without a name
+    raise TypeError(
+      f"@parstrat.register needs a name: write @parstrat.register('my_name') above "
+      f"class {name.__qualname__}."
+    )
   if not isinstance(name, str) or not name:
     raise ValueError(f"A strategy name must be a non-empty string, got {name!r}.")
-  if "," in name or any(c.isspace() for c in name):
-    # (`parstrat train --compare a,b` splits names on commas and strips them)
-    raise ValueError(f"A strategy name may not hold spaces or commas, got {name!r}.")
+  if "," in name or any(c.isspace() for c in name) or name.startswith("-"):
+    # (`parstrat train --compare a,b` splits names on commas and strips them;
+    # `--strategy -x` reads -x as a flag)
+    raise ValueError(
+      f"A strategy name may not hold spaces or commas or start with '-', got {name!r}."
+    )
 
   def decorator(cls: S) -> S:
     from parstrat._src.strategy import Strategy  # noqa: PLC0415 (import cycle)
@@ -58,6 +69,13 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
       missing = ", ".join(sorted(cls.__abstractmethods__))
       raise TypeError(
         f"@parstrat.register({name!r}): {cls.__qualname__} does not implement {missing}."
+      )
+    if "__init__" in cls.__dict__ and "__dataclass_fields__" not in cls.__dict__:
+      # (`parstrat.get` and the CLI pass options by the dataclass's fields)
+      raise TypeError(
+        f"@parstrat.register({name!r}): {cls.__qualname__} defines its own __init__; make "
+        "it a frozen dataclass (@dataclasses.dataclass(frozen=True, kw_only=True, "
+        "repr=False)) whose fields are its options."
       )
     if name in _REGISTRY and not overwrite and not _same_definition(_REGISTRY[name], cls):
       raise ValueError(

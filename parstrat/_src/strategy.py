@@ -658,6 +658,68 @@ def _check_optimizer(optimizer: Any) -> None:
     )
 
 
+def _made_mesh(strategy: Strategy) -> Mesh:
+  """`strategy.make_mesh()`, checked to be a `jax.sharding.Mesh`.
+
+  Raises:
+    TypeError: naming the strategy and what its `make_mesh` returned.
+  """
+  mesh = strategy.make_mesh()
+  if not isinstance(mesh, Mesh):
+    raise TypeError(
+      f"{strategy!r}.make_mesh returned {type(mesh).__name__}, not a jax.sharding.Mesh "
+      "(a missing `return`?)."
+    )
+  return mesh
+
+
+def _checked_loss_and_grad(loss_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+  """`loss_and_grad` with its results checked where it is traced (a plan of one's own).
+
+  Raises (when traced):
+    TypeError: for other than `(loss, grads, model_state)`, gradients of
+      another structure than the params (naming a leaf only one has), or a
+      model state of another structure.
+    ValueError: for a loss that is not a scalar, or a gradient of another
+      shape than its param (JAX would broadcast it into the update silently).
+  """
+
+  def run(params, inputs, targets, key, model_state):
+    out = loss_and_grad(params, inputs, targets, key, model_state)
+    what = "Plan.loss_and_grad"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+      count = f"{len(out)} values" if isinstance(out, (tuple, list)) else type(out).__name__
+      raise TypeError(f"{what} must return (loss, grads, model_state), got {count}.")
+    loss, grads, new_state = out
+    if np.shape(loss) != ():
+      raise ValueError(
+        f"{what} must return a scalar loss (this device's, or the mean), got shape "
+        f"{tuple(np.shape(loss))}."
+      )
+    given = dict(jax.tree_util.tree_leaves_with_path(params))
+    got = dict(jax.tree_util.tree_leaves_with_path(grads))
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+      lacking = [jax.tree_util.keystr(k) for k in given if k not in got]
+      extra = [jax.tree_util.keystr(k) for k in got if k not in given]
+      detail = (f"no gradient for {lacking[0]}" if lacking else "") or (
+        f"a gradient for {extra[0]}, which is no param" if extra else "another tree structure"
+      )
+      raise TypeError(f"{what} returned gradients unlike the params: {detail}.")
+    for path, grad in got.items():
+      if np.shape(grad) != np.shape(given[path]):
+        raise ValueError(
+          f"{what} returned grads{jax.tree_util.keystr(path)} of shape {np.shape(grad)}; "
+          f"this device holds that param with shape {np.shape(given[path])}."
+        )
+    if jax.tree.structure(new_state) != jax.tree.structure(model_state):
+      raise TypeError(
+        f"{what} returned a model state of another structure than the one it was given."
+      )
+    return out
+
+  return run
+
+
 class Trainer:
   """A model and an optimizer laid out by a strategy: `init`, `step`, `apply`, `params`.
 
@@ -725,7 +787,7 @@ class Trainer:
     self._host_axes: tuple[str, ...] = ()  # mesh axes the model names (set by `init`)
     self._host_models: dict[tuple, Any] = {}
     # A deferred strategy ("auto") builds its mesh in `init`, once it has chosen.
-    self.mesh: Mesh | None = None if strategy.deferred else strategy.make_mesh()
+    self.mesh: Mesh | None = None if strategy.deferred else _made_mesh(strategy)
     self._plan: Plan | None = None
     self._input_spec: Any = None  # per-example ShapeDtypeStructs of the model inputs
     self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
@@ -799,7 +861,7 @@ class Trainer:
       self.sample_batch = _abstract(sample_batch)
     if self.strategy.deferred:  # e.g. "auto": choose now that the shapes are known
       chosen = self.strategy.resolve(self, sample)
-      self.strategy, self.mesh = chosen, chosen.make_mesh()
+      self.strategy, self.mesh = chosen, _made_mesh(chosen)
     plan, layout, uses_rng = self._layout(rng, _abstract(sample))
     shardings = jax.tree.map(lambda x: x.sharding, layout)
     # `jax.jit(model.init)` is cached per model, so trainers of one model share
@@ -994,6 +1056,7 @@ class Trainer:
   def _compiled_step(self):
     plan = self.plan
     mesh = self.mesh
+    loss_and_grad = _checked_loss_and_grad(plan.loss_and_grad)
     param_spec = plan.param_spec
     accumulate = self.accumulate
     axes = self._batch_axes()
@@ -1020,7 +1083,7 @@ class Trainer:
           model_state = jax.lax.pcast(model_state, axes, to="varying")
         split = lambda x: x.reshape(accumulate, -1, *x.shape[1:])  # noqa: E731
         loss, grads, model_state = microsteps(
-          plan.loss_and_grad, params, model_state, self._device_key(key), inputs, targets, split
+          loss_and_grad, params, model_state, self._device_key(key), inputs, targets, split
         )
         if plan.reduce is not None:
           loss, grads = plan.reduce((loss, grads))
@@ -1055,10 +1118,10 @@ class Trainer:
 
       def grad_fn(params, model_state, key, inputs, targets):
         if accumulate == 1:
-          loss, grads, model_state = plan.loss_and_grad(params, inputs, targets, key, model_state)
+          loss, grads, model_state = loss_and_grad(params, inputs, targets, key, model_state)
         else:
           loss, grads, model_state = microsteps(
-            plan.loss_and_grad, params, model_state, key, inputs, targets, split
+            loss_and_grad, params, model_state, key, inputs, targets, split
           )
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings), model_state
 
