@@ -38,10 +38,7 @@ STRATEGIES = {
   "fsdp": lambda: parstrat.FSDP(data=4),
   "tensor": lambda: parstrat.TensorParallel(model=2),
 }
-OPTIMIZERS = {
-  "sgd": (lambda: optax.sgd(0.1), TOL),
-  "adam": (lambda: optax.adam(1e-3), parstrat.testing.ADAM_PARAM_ATOL),
-}
+OPTIMIZERS = {"sgd": (lambda: optax.sgd(0.1), TOL)}
 
 
 @functools.cache
@@ -80,12 +77,11 @@ def _assert_matches(result: lm.Result, optimizer: str) -> None:
   assert np.isfinite(result.eval_loss)
 
 
-@pytest.mark.parametrize(
-  ("strategy", "optimizer"),
-  [*((s, "sgd") for s in STRATEGIES), ("pipeline", "adam")],
-)
-def test_untied_lm_matches_jit(strategy, optimizer):
-  _assert_matches(_train(strategy, optimizer), optimizer)
+# SGD, where a wrong gradient scale shows (the model matrix runs this LM with Adam and
+# AdamW under every strategy).
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_untied_lm_matches_jit(strategy):
+  _assert_matches(_train(strategy, "sgd"), "sgd")
 
 
 def test_a_causal_mask_built_in_apply_lets_every_block_boundary_be_cut():
