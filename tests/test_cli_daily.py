@@ -566,12 +566,15 @@ def test_a_resume_at_the_end_of_an_epoch_of_unknown_length_goes_on(tmp_path, mon
 
 
 STRATEGY_FILE = """
+import dataclasses
+
 import parstrat
 
 
 @parstrat.register("my_data_parallel")
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class MyDataParallel(parstrat.DataParallel):
-  pass
+  hosts: int = 1
 """
 
 
@@ -588,6 +591,19 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
                      "--import", "mystrategies") == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "mesh: data=2 (MyDataParallel(devices=<2 devices>))" in out.splitlines(), out
+    # Its own options, which no flag sets: on the command line, or a config file's table.
+    (tmp_path / "run.toml").write_text("import = ['mystrategies']\n[strategy-option]\nhosts = 2\n")
+    for how in (["--strategy-option", "hosts=2"], ["--config", "run.toml"]):
+      assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
+                       "mymodel:data", "--strategy", "my_data_parallel", "--import",
+                       "mystrategies", *how) == 0  # fmt: skip
+      out = capsys.readouterr().out
+      assert "mesh: data=2 (MyDataParallel(devices=<2 devices>, hosts=2))" in out, out
+    assert _user_run(tmp_path, monkeypatch, "--strategy-option", "host=2") == 2
+    assert "has no option 'host'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+      _user_run(tmp_path, monkeypatch, "--strategy-option", "hosts")
+    assert "expected KEY=VALUE (e.g. hosts=4), got 'hosts'" in capsys.readouterr().err
   finally:
     parstrat.unregister("my_data_parallel")
     sys.modules.pop("mystrategies", None)

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 # Importing these starts no backend (the package is imported before this module
 # anyway): `--devices` can still set the CPU device count afterwards.
@@ -82,6 +83,25 @@ class _StopRequests:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler)
     self._previous = {}
+
+
+def _strategy_option(text: str) -> tuple[str, Any]:
+  """An argparse type: "KEY=VALUE" -> (key, value), VALUE read as a TOML value.
+
+  Example:
+    >>> _strategy_option("hosts=4"), _strategy_option("name=two levels")
+    (('hosts', 4), ('name', 'two levels'))
+  """
+  import tomllib
+
+  key, sep, value = text.partition("=")
+  key = key.strip().replace("-", "_")
+  if not sep or not key.isidentifier():
+    raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. hosts=4), got {text!r}")
+  try:
+    return key, tomllib.loads(f"v = {value}")["v"]
+  except tomllib.TOMLDecodeError:
+    return key, value
 
 
 def _positive(text: str) -> int:
@@ -323,6 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
     "--memory-budget",
     default=None,
     help="for --strategy auto: bytes per device, e.g. 512MiB (default: no limit)",
+  )
+  train.add_argument(
+    "--strategy-option",
+    dest="strategy_options",
+    metavar="KEY=VALUE",
+    type=_strategy_option,
+    nargs="+",
+    action="extend",
+    default=None,
+    help="an option of the strategy that no flag above sets, e.g. a field of a strategy of "
+    'your own: hosts=4 (VALUE read as TOML: 4, 0.5, true, "text"; else as text); in a '
+    "config file, a [strategy-option] table",
   )
   train.add_argument(
     "--precision",
@@ -593,6 +625,16 @@ def _strategy_config(
     if value is not None:
       config[key] = value
   flags = {"data": "data-parallel", "model": "tensor-parallel"}
+  for key, value in args.strategy_options or ():
+    if key in config:
+      flag = "--" + flags.get(key, key.replace("_", "-"))
+      raise UsageError(
+        f"--strategy-option {key}={value!r}: {key} is already set"
+        + (f" by {flag}" if key in keys else "")
+        + "; give it once"
+      )
+    config[key] = value
+    flags[key] = f"strategy-option {key}"
   cls = parstrat._src.registry.lookup(name)
   if cls.deferred:  # "auto" measures the real batch
     unused = [k for k in config if k != "memory_budget"]

@@ -119,6 +119,10 @@ def config_to_argv(
     action = options[name]
     flag = f"--{name}"
     where = f"{source}: {key} = {value!r}"
+    if isinstance(value, dict) and action.dest == "strategy_options":
+      # ([strategy-option] hosts = 4: each key one KEY=VALUE, the value in TOML again)
+      argv += [flag, *(f"{k}={_toml_value(v)}" for k, v in value.items())]
+      continue
     if isinstance(value, dict):
       raise ConfigError(f"{where}: expected a value, got a table")
     if action.nargs == 0:  # store_true and friends
@@ -144,6 +148,15 @@ def config_to_argv(
         raise ConfigError(f"{where}: choose one of {choices}")
     argv += [flag, *tokens]
   return argv
+
+
+def _toml_value(value: Any) -> str:
+  """`value` written as TOML (a string quoted, a bool as true/false)."""
+  import json
+
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  return json.dumps(value) if isinstance(value, (str, list)) else str(value)
 
 
 def _import_file(path: pathlib.Path):
