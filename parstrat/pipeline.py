@@ -1,4 +1,7 @@
-"""Pipeline building blocks: stage cuts, schedules as data (and CSV), and drawing them."""
+"""Pipeline building blocks: stage cuts and schedules as data (and CSV).
+
+`parstrat schedule` prints and draws the built-in schedules.
+"""
 
 from parstrat._src.pipeline.partition import Layer
 from parstrat._src.pipeline.partition import StagePlan

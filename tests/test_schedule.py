@@ -249,8 +249,8 @@ def test_text_tables_of_the_new_schedules():
   ]
   inter = pipeline.build_schedule("interleaved_1f1b", 2, 2, virtual_stages=2)
   assert inter.table().splitlines() == [
-    "stage 0: 0F0 0F1 2F0 2F1   . 2B0   . 2B1 0B0 0B1",
-    "stage 1:   . 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1   .",
+    "device 0: 0F0 0F1 2F0 2F1   . 2B0   . 2B1 0B0 0B1",
+    "device 1:   . 1F0 1F1 3F0 3B0 3F1 3B1 1B0 1B1   .",
   ]
   assert "theory (P-1)/(vM+P-1) = 0.200" in str(inter)
 
@@ -362,7 +362,17 @@ def test_csv_is_torch_pipelinings_format():
     ("0F0,0F0\n", r"stage 0 runs the forward \(F\) of microbatch 0 twice \(ticks 0 and 1\)"),
     (  # (three stages on two devices: it said stage 3 never ran, a stage it never named)
       "0F0,,2F0,2B0,,0B0\n,1F0,,,1B0\n",
-      r"names stages 0..2 on 2 devices \(rows\): .* must be a multiple of 2",
+      r"names stages 0..2 on 2 devices \(rows\): .* must be a multiple of 2 \(stage 2 first "
+      r"at row 0, column 2: '2F0'\)",
+    ),
+    (  # a typo'd microbatch: the cell is named, not only what looks missing
+      "0F0,0F1,0B0,0F9,0B1\n",
+      r"stage 0 never runs the forward \(F\) of microbatch 2: .* \(the last stage first at row "
+      r"0, column 0: '0F0'; the last microbatch first at row 0, column 3: '0F9'\)",
+    ),
+    (
+      "(1F1;1B0)OVERLAP_F_B,0F0\n",
+      r"Row 0, column 0: '\(1F1;1B0\)OVERLAP_F_B' is one of torch's communication actions",
     ),
     (
       "0F0,0B0\n1F0,1B0\n",
@@ -470,7 +480,7 @@ def test_cli_draws_the_three_kinds_of_work_and_exports_csv(tmp_path, capsys):
 
   inter = ["schedule", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved_1f1b"]
   assert cli.main([*inter, "--virtual-stages", "3"]) == 0
-  assert "2 stages x 3 virtual x 4 microbatches" in capsys.readouterr().out
+  assert "2 devices x 3 virtual stages x 4 microbatches" in capsys.readouterr().out
   assert cli.main([*args[:-1], "gpipe", "--virtual-stages", "2"]) == 2
   assert "virtual_stages=2 needs schedule 'interleaved_1f1b'" in capsys.readouterr().err
   paired = ["schedule", "--stages", "2", "--microbatches", "3", "--exchange-every", "2"]

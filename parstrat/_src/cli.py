@@ -1573,7 +1573,8 @@ def schedule(args: argparse.Namespace) -> None:
       if theory is not None
       else table.theory_text()
     )
-    + f"; peak live activations per stage: {table.max_live_activations()}"
+    + f"; peak live activations per {'stage' if table.virtual_stages == 1 else 'device'}: "
+    + f"{table.max_live_activations()}"
   )
   print(
     "lock-step time (each exchange waits for the slowest device), in forwards of one "

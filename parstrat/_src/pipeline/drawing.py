@@ -82,7 +82,7 @@ def draw_schedule(schedule: Schedule, path: str) -> str:
     ax.axvline(t, color="black", linewidth=0.8)
   ax.set_xlim(0, T)
   ax.set_ylim(P, 0)
-  ax.set_yticks([s + 0.5 for s in range(P)], [f"stage {s}" for s in range(P)])
+  ax.set_yticks([s + 0.5 for s in range(P)], [schedule.row_label(s) for s in range(P)])
   ax.set_xticks(range(0, T + 1, max(1, T // 20)))
   ax.set_xlabel("tick" if v == 1 else "tick (cells: model stage:microbatch)")
   chunks = f", v={v}" if v > 1 else ""

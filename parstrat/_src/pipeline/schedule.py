@@ -492,12 +492,17 @@ class Schedule:
       return f"{a.letter}{m}"
     return f"{int(self.chunk[t, s]) * self.stages + s}{a.letter}{m}"
 
+  def row_label(self, s: int) -> str:
+    """Row s's name: "stage s" (v = 1: device s runs stage s), else "device s" (torch's rank)."""
+    return f"stage {s}" if self.virtual_stages == 1 else f"device {s}"
+
   def table(self) -> str:
     """The schedule as text: one row per device, one column per tick."""
     cells = [[self.cell(t, s) for t in range(self.num_ticks)] for s in range(self.stages)]
     width = max(2, *(len(c) for row in cells for c in row))
     return "\n".join(
-      f"stage {s}: " + " ".join(c.rjust(width) for c in row) for s, row in enumerate(cells)
+      f"{self.row_label(s)}: " + " ".join(c.rjust(width) for c in row)
+      for s, row in enumerate(cells)
     )
 
   def __repr__(self) -> str:
@@ -508,14 +513,18 @@ class Schedule:
     )
 
   def __str__(self) -> str:
-    chunks = f" x {self.virtual_stages} virtual" if self.virtual_stages > 1 else ""
+    shape = (
+      f"{self.stages} devices x {self.virtual_stages} virtual stages"
+      if self.virtual_stages > 1
+      else f"{self.stages} stages"
+    )
     every = (
       f" ({self.num_exchanges} exchanges, one every {self.exchange_every})"
       if self.exchange_every > 1
       else ""
     )
     return (
-      f"{self.name} schedule, {self.stages} stages{chunks} x {self.microbatches} microbatches, "
+      f"{self.name} schedule, {shape} x {self.microbatches} microbatches, "
       f"{self.num_ticks} ticks{every}, {self.bubble_text()}\n{self.table()}"
     )
 

@@ -31,6 +31,7 @@ _LETTERS = {a.letter: a for a in Action if a != Action.IDLE} | {"BW": Action.BAC
 _COMMS = re.compile(
   r"^(\d+)(UNSHARD|RESHARD|REDUCE_GRAD|SEND_F|RECV_F|SEND_B|RECV_B|OVERLAP_F_B"
   r"|SEND_F_RECV_B|SEND_B_RECV_F)(\d*)$"
+  r"|^\(.*\)OVERLAP_F_B$"  # (how torch writes an overlapped pair: "(1F1;1B0)OVERLAP_F_B")
 )
 _LARGEST_INDEX = 2**31 - 1  # (tables are int32)
 
@@ -42,7 +43,8 @@ def to_csv(schedule: Schedule) -> str:
     schedule: any `Schedule`.
 
   Returns:
-    CSV text: one row per device, one cell per tick ("" when idle).
+    CSV text: one row per device, one cell per tick ("" when idle), no header;
+    lines end with "\n" (torch's `csv.writer` writes "\r\n"; each reads both).
 
   Example:
     >>> from parstrat import pipeline
@@ -109,6 +111,7 @@ def from_csv(
   P = len(rows)
   parsed: list[list[tuple[Action, int, int] | None]] = []
   plain_b: set[tuple[int, int]] = set()  # (row, column) of each cell written `B`
+  where: dict[tuple[str, int], str] = {}  # the first cell naming each stage and microbatch
   for s, row in enumerate(rows):  # (the first problem in reading order is named)
     if not any(row):
       raise ValueError(
@@ -143,6 +146,8 @@ def from_csv(
           f"stage {g} must run on device {g % P} (stage g on device g % P)."
         )
       cells.append((_LETTERS[letter], m, g))
+      where.setdefault(("stage", g), f"row {s}, column {t}: {cell!r}")
+      where.setdefault(("microbatch", m), f"row {s}, column {t}: {cell!r}")
       if letter == "B":
         plain_b.add((s, t))
     parsed.append(cells)
@@ -164,7 +169,8 @@ def from_csv(
   if G % P:
     raise ValueError(
       f"The table names stages 0..{G - 1} on {P} devices (rows): each device holds the "
-      f"same number of stages, so their count must be a multiple of {P}."
+      f"same number of stages, so their count must be a multiple of {P} (stage {G - 1} "
+      f"first at {where['stage', G - 1]})."
     )
   v = G // P
   M = max(m for _, m, _ in found) + 1
@@ -173,7 +179,9 @@ def from_csv(
     g, m = next((g, m) for g in range(G) for m in range(M) if (g, m) not in forwards)
     raise ValueError(
       f"stage {g} never runs the forward (F) of microbatch {m}: with stages 0..{G - 1} and "
-      f"microbatches 0..{M - 1} named, the table needs {G * M} forwards and has {len(forwards)}."
+      f"microbatches 0..{M - 1} named, the table needs {G * M} forwards and has "
+      f"{len(forwards)} (the last stage first at {where['stage', G - 1]}; the last "
+      f"microbatch first at {where['microbatch', M - 1]})."
     )
 
   def op(cell: tuple[Action, int, int]) -> Op:
