@@ -575,6 +575,7 @@ import parstrat
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class MyDataParallel(parstrat.DataParallel):
   hosts: int = 1
+  overlap: bool = False
 """
 
 
@@ -591,16 +592,34 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
                      "--import", "mystrategies") == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "mesh: data=2 (MyDataParallel(devices=<2 devices>))" in out.splitlines(), out
-    # Its own options, which no flag sets: on the command line, or a config file's table.
-    (tmp_path / "run.toml").write_text("import = ['mystrategies']\n[strategy-option]\nhosts = 2\n")
-    for how in (["--strategy-option", "hosts=2"], ["--config", "run.toml"]):
-      assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
-                       "mymodel:data", "--strategy", "my_data_parallel", "--import",
-                       "mystrategies", *how) == 0  # fmt: skip
+    # Its own options, which no flag sets: on the command line, or a config file's table
+    # (the command line wins), each read by its field's type ("False" was the text
+    # 'False', which is true).
+    (tmp_path / "run.toml").write_text(
+      "import = ['mystrategies']\n[strategy-option]\nhosts = 2\noverlap = true\n"
+    )
+    mine = ["--model-fn", "mymodel:model", "--dataset", "mymodel:data", "--strategy",
+            "my_data_parallel", "--import", "mystrategies"]  # fmt: skip
+    for how, shown in (
+      (["--strategy-option", "hosts=2", "overlap=False"], "hosts=2"),
+      (["--config", "run.toml"], "hosts=2, overlap=True"),
+      (["--config", "run.toml", "--strategy-option", "hosts=3", "overlap=off"], "hosts=3"),
+    ):
+      assert _user_run(tmp_path, monkeypatch, *mine, *how) == 0
       out = capsys.readouterr().out
-      assert "mesh: data=2 (MyDataParallel(devices=<2 devices>, hosts=2))" in out, out
-    assert _user_run(tmp_path, monkeypatch, "--strategy-option", "host=2") == 2
-    assert "has no option 'host'" in capsys.readouterr().err
+      assert f"mesh: data=2 (MyDataParallel(devices=<2 devices>, {shown}))" in out, out
+    for how, message in (
+      (["--strategy-option", "host=2"], "has no option 'host'"),
+      (["--strategy-option", "hosts="], "--strategy-option hosts=: give a value after '='"),
+      (["--strategy-option", "overlap=maybe"], "overlap is a bool; give true or false"),
+      (["--strategy-option", "hosts=two"], "hosts is int; give a number"),
+      (  # (each strategy of --compare takes those it has; one that none has is a typo)
+        ["--compare", "my_data_parallel,fsdp", "--strategy-option", "hots=2"],
+        "--strategy-option hots: none of my_data_parallel, fsdp takes it",
+      ),
+    ):
+      assert _user_run(tmp_path, monkeypatch, *mine, *how) == 2
+      assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):
       _user_run(tmp_path, monkeypatch, "--strategy-option", "hosts")
     assert "expected KEY=VALUE (e.g. hosts=4), got 'hosts'" in capsys.readouterr().err

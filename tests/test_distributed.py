@@ -310,3 +310,15 @@ def test_a_coordinator_port_in_use_is_named(tmp_path):
     f"error: --coordinator: process 0 cannot serve the run at 127.0.0.1:{port}: port {port} "
     "is taken"
   ) in err
+
+
+def test_processes_compare_strategy_options_in_any_order():
+  # (`hosts=4 name=x` on one process and `name=x hosts=4` on another are the same run)
+  from parstrat._src import cli
+
+  def flags(*options):
+    parser = cli.build_parser()
+    return cli._run_flags(cli.parse_args(parser, ["train", "--strategy-option", *options]))
+
+  assert flags("hosts=4", "name=x") == flags("name=x", "hosts=4")
+  assert flags("hosts=4") != flags("hosts=2")

@@ -61,16 +61,6 @@ def test_register_rejects_non_strategies_and_bad_names():
     class Nameless(parstrat.DataParallel):
       pass
 
-  class OwnInit(parstrat.DataParallel):  # get("own", n=2) would refuse n: not a field
-    def __init__(self, n=2, **kwargs):
-      super().__init__(**kwargs)
-
-  with pytest.raises(TypeError, match=r"OwnInit defines its own __init__; make it a frozen"):
-    parstrat.register("own")(OwnInit)
-  parstrat.register("own")(type("NoInit", (parstrat.DataParallel,), {}))  # fields inherited
-  assert parstrat.get("own", data=2).data == 2
-  parstrat.unregister("own")
-
   class Unfinished(parstrat.Strategy):  # no make_plan
     def make_mesh(self):
       return parstrat.build_mesh({"data": None})
@@ -89,3 +79,38 @@ def test_unknown_config_is_a_type_error():
     parstrat.get("data_parallel", stages=2)
   with pytest.raises(TypeError, match=r"has no option 'dat'; .* Did you mean 'data'\?"):
     parstrat.get("data_parallel", dat=4)
+
+
+class _Noted:
+  """A mixin whose `__init__` takes an option of its own (`note`)."""
+
+  def __init__(self, *, note="x", **kwargs):
+    super().__init__(**kwargs)
+    object.__setattr__(self, "note", note)
+
+
+def test_get_passes_the_options_a_constructor_takes_dataclass_or_not():
+  # `get` read the options from the dataclass fields only: an __init__ of a class's
+  # own, or a mixin's, had its options refused ("has no option 'note'").
+  class FromMixin(_Noted, parstrat.DataParallel):
+    pass
+
+  class PassThrough(parstrat.DataParallel):
+    def __init__(self, **kwargs):  # passes everything on: get leaves the checks to it
+      super().__init__(**kwargs)
+
+  try:
+    parstrat.register("noted")(FromMixin)
+    parstrat.register("passes")(PassThrough)
+    parstrat.register("plain")(type("NoInit", (parstrat.DataParallel,), {}))  # inherited
+    assert parstrat.get("noted", note="y", data=2).note == "y"
+    assert parstrat.get("passes", data=2).data == 2
+    assert parstrat.get("plain", data=2).data == 2
+    for name, bad in (("noted", "note_"), ("passes", "hosts")):  # (**kwargs: the class refuses)
+      with pytest.raises(TypeError, match=f"unexpected keyword argument '{bad}'"):
+        parstrat.get(name, **{bad: 2})
+    with pytest.raises(TypeError, match=r"Strategy 'data_parallel' has no option 'dat'.*'data'"):
+      parstrat.get("data_parallel", dat=2)
+  finally:
+    for name in ("noted", "passes", "plain"):
+      parstrat.unregister(name)

@@ -85,23 +85,18 @@ class _StopRequests:
     self._previous = {}
 
 
-def _strategy_option(text: str) -> tuple[str, Any]:
-  """An argparse type: "KEY=VALUE" -> (key, value), VALUE read as a TOML value.
+def _strategy_option(text: str) -> tuple[str, str]:
+  """An argparse type: "KEY=VALUE" -> (key, VALUE's text); read later by `_option_value`.
 
   Example:
-    >>> _strategy_option("hosts=4"), _strategy_option("name=two levels")
-    (('hosts', 4), ('name', 'two levels'))
+    >>> _strategy_option("hosts=4"), _strategy_option("max-size=two levels")
+    (('hosts', '4'), ('max_size', 'two levels'))
   """
-  import tomllib
-
   key, sep, value = text.partition("=")
   key = key.strip().replace("-", "_")
   if not sep or not key.isidentifier():
     raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. hosts=4), got {text!r}")
-  try:
-    return key, tomllib.loads(f"v = {value}")["v"]
-  except tomllib.TOMLDecodeError:
-    return key, value
+  return key, value
 
 
 def _positive(text: str) -> int:
@@ -610,10 +605,10 @@ def _strategy_config(
   written for `hybrid` also serves `--strategy fsdp`); given on the command
   line, it reaches the strategy, which refuses it by name. "auto" chooses the
   mesh and the pipeline options itself: it takes only --memory-budget, and
-  every other strategy flag is left out.
+  every other strategy flag is left out. `--strategy-option`s always reach
+  the strategy but with --compare, read by the type of the field they set
+  (`_option_value`).
   """
-  import dataclasses
-
   import parstrat
   from parstrat._src import distributed
 
@@ -625,28 +620,106 @@ def _strategy_config(
     if value is not None:
       config[key] = value
   flags = {"data": "data-parallel", "model": "tensor-parallel"}
-  for key, value in args.strategy_options or ():
-    if key in config:
-      flag = "--" + flags.get(key, key.replace("_", "-"))
-      raise UsageError(
-        f"--strategy-option {key}={value!r}: {key} is already set"
-        + (f" by {flag}" if key in keys else "")
-        + "; give it once"
-      )
-    config[key] = value
-    flags[key] = f"strategy-option {key}"
   cls = parstrat._src.registry.lookup(name)
+  for key, text in _strategy_options(args).items():  # (the command line's, after the file's)
+    if key in config:
+      raise UsageError(
+        f"--strategy-option {key}={text}: {key} is already set by "
+        f"--{flags.get(key, key.replace('_', '-'))}; give it once"
+      )
+    config[key] = _option_value(cls, key, text)
+    flags[key] = f"strategy-option {key}"
   if cls.deferred:  # "auto" measures the real batch
     unused = [k for k in config if k != "memory_budget"]
     config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
   else:
-    options = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    from_config = getattr(args, "from_config", set())
-    unused = [k for k in config if k not in options and (compare or k in from_config)]
+    names, takes_any = parstrat._src.registry.options_of(cls)
+    from_config = getattr(args, "from_config", set()) - {"strategy_options"}
+    unused = [
+      k for k in config if not takes_any and k not in names and (compare or k in from_config)
+    ]
   return (
     {k: v for k, v in config.items() if k not in unused},
     [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
   )
+
+
+def _strategy_options(args: argparse.Namespace) -> dict[str, str]:
+  """`--strategy-option`'s KEY -> VALUE text; a key given again (on the command line
+  after the file's) takes the later value."""
+  return dict(args.strategy_options or ())
+
+
+def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
+  """A `--strategy-option` VALUE read by the type of `cls`'s field `key`.
+
+  bool fields take true/false (also 1/0, yes/no, on/off), int and float
+  fields a number, str fields the text itself (or a quoted TOML string), an
+  optional field also `none`; other fields a TOML value (`[1, 2]`, `"text"`),
+  or a bare word as text.
+
+  Raises:
+    UsageError: for an empty value or one the field's type cannot take,
+      naming the key, the value and the type.
+  """
+  import tomllib
+  import types
+  import typing
+
+  where = f"--strategy-option {key}={text}"
+  if not text.strip():
+    raise UsageError(f"{where}: give a value after '='")
+  try:
+    hint = typing.get_type_hints(cls).get(key)
+  except Exception:  # noqa: BLE001 - annotations that cannot be evaluated: read as TOML
+    hint = None
+  kinds = (
+    typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+  )
+  if type(None) in kinds and text.strip().lower() == "none":
+    return None
+  kinds = [k for k in kinds if k is not type(None)]
+
+  def as_toml():
+    try:
+      return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+      return _UNREAD
+
+  if kinds == [bool]:
+    words = {"true": True, "1": True, "yes": True, "on": True,
+             "false": False, "0": False, "no": False, "off": False}  # fmt: skip
+    if text.strip().lower() not in words:
+      raise UsageError(f"{where}: {key} is a bool; give true or false")
+    return words[text.strip().lower()]
+  if kinds in ([int], [float]):
+    try:
+      value = kinds[0](text)
+    except ValueError:
+      raise UsageError(f"{where}: {key} is {kinds[0].__name__}; give a number") from None
+    return value
+  if kinds == [str]:
+    value = as_toml()
+    return value if isinstance(value, str) else text
+  value = as_toml()
+  if value is not _UNREAD and not isinstance(value, (dict, *_datetime_types())):
+    return value
+  if text in ("True", "False", "None"):  # (Python's spelling)
+    return {"True": True, "False": False, "None": None}[text]
+  if re.fullmatch(r"\w[\w.\-/:]*", text):
+    return text
+  raise UsageError(f"{where}: cannot read the value (give a number, true/false, a word, "
+                   "a quoted \"text\" or a TOML list)")  # fmt: skip
+
+
+_UNREAD = object()
+
+
+def _datetime_types() -> tuple[type, ...]:
+  """TOML's date and time types (read as text instead: `x=2024-01-01` is a word)."""
+  import datetime
+
+  return (datetime.date, datetime.time, datetime.datetime)
 
 
 def _previous_run(out: pathlib.Path, compare: str | None) -> str | None:
@@ -913,11 +986,13 @@ def _run_flags(args: argparse.Namespace) -> dict[str, str]:
   Returns:
     Each flag's first option string -> the repr of its value.
   """
-  return {
+  flags = {
     flag: repr(getattr(args, dest, None))
     for dest, flag in _train_flags().items()
     if dest not in (*PER_PROCESS, "config", "help")
   }
+  flags["--strategy-option"] = repr(sorted(_strategy_options(args).items()))  # (any order)
+  return flags
 
 
 def _train_flags() -> dict[str, str]:
@@ -996,9 +1071,11 @@ def train(args: argparse.Namespace) -> dict:
   if twice:  # (each run writes DIR/<name>/: the second would overwrite the first)
     raise UsageError(f"--compare names {', '.join(twice)} twice: name each strategy once")
   strategies = {}
+  taken: set[str] = set()  # the --strategy-options some strategy takes
   for name in names:
     try:
       options, unused = _strategy_config(args, name, compare=bool(args.compare))
+      taken.update(options)
       if unused and parstrat._src.registry.lookup(name).deferred:
         say(f"{name} chooses the mesh and pipeline options itself; not used: {', '.join(unused)}")
       elif unused and not args.compare:
@@ -1020,6 +1097,9 @@ def train(args: argparse.Namespace) -> dict:
       raise UsageError(_devices_hint(e, devices)) from None
     except (TypeError, ValueError) as e:
       raise UsageError(str(e)) from None
+  untaken = [k for k in _strategy_options(args) if k not in taken]
+  if untaken and not any(s.deferred for s in strategies.values()):  # ("auto" named them)
+    raise UsageError(f"--strategy-option {', '.join(untaken)}: none of {', '.join(names)} takes it")
   # The names checked before any data loads: a typo costs nothing.
   from parstrat._src import optimizers
   from parstrat._src import precision

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import inspect
 from collections.abc import Callable
@@ -31,9 +30,8 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
       the registered one counts as the same class seen again, e.g. its module
       reloaded, and replaces it).
     TypeError: if the decorated object is not a `parstrat.Strategy` subclass,
-      leaves an abstract method (`make_plan`) unimplemented, or defines its own
-      `__init__` without being a dataclass (its options would not reach it);
-      for `@parstrat.register` without a name.
+      or leaves an abstract method (`make_plan`) unimplemented; for
+      `@parstrat.register` without a name.
 
   Example:
     >>> import parstrat
@@ -69,13 +67,6 @@ def register(name: str, *, overwrite: bool = False) -> Callable[[S], S]:
       missing = ", ".join(sorted(cls.__abstractmethods__))
       raise TypeError(
         f"@parstrat.register({name!r}): {cls.__qualname__} does not implement {missing}."
-      )
-    if "__init__" in cls.__dict__ and "__dataclass_fields__" not in cls.__dict__:
-      # (`parstrat.get` and the CLI pass options by the dataclass's fields)
-      raise TypeError(
-        f"@parstrat.register({name!r}): {cls.__qualname__} defines its own __init__; make "
-        "it a frozen dataclass (@dataclasses.dataclass(frozen=True, kw_only=True, "
-        "repr=False)) whose fields are its options."
       )
     if name in _REGISTRY and not overwrite and not _same_definition(_REGISTRY[name], cls):
       raise ValueError(
@@ -144,8 +135,8 @@ def get(name: str, /, **config: Any):
     DataParallel(data=2)
   """
   cls = lookup(name)
-  if dataclasses.is_dataclass(cls):
-    options = [f.name for f in dataclasses.fields(cls) if f.init]
+  options, any_keyword = options_of(cls)
+  if not any_keyword:
     unknown = sorted(set(config) - set(options))
     if unknown:
       close = difflib.get_close_matches(unknown[0], options, n=1)
@@ -154,6 +145,24 @@ def get(name: str, /, **config: Any):
         f"its options are {', '.join(options)}." + (f" Did you mean {close[0]!r}?" if close else "")
       )
   return cls(**config)
+
+
+def options_of(cls: type) -> tuple[list[str], bool]:
+  """The keyword options a strategy class takes, from its constructor's signature.
+
+  For a dataclass, its fields that `__init__` takes; for a class with an
+  `__init__` of its own (or a mixin's), that one's parameters.
+
+  Returns:
+    `(names, takes_any)`: the parameter names, and whether it also takes
+    `**kwargs` (then any name may be passed on).
+  """
+  try:
+    parameters = inspect.signature(cls).parameters.values()
+  except (TypeError, ValueError):  # (no signature to read: let the class decide)
+    return [], True
+  names = [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  return names, any(p.kind == p.VAR_KEYWORD for p in parameters)
 
 
 def _unknown_name_message(name: object) -> str:

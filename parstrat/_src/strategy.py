@@ -174,9 +174,9 @@ class Plan:
 
 def axis_field(cls: type, axis: str) -> str | None:
   """The dataclass field of `cls` that takes mesh `axis`'s size: `axis`, or `axis` + "s"."""
-  fields = (
-    {f.name for f in dataclasses.fields(cls) if f.init} if dataclasses.is_dataclass(cls) else set()
-  )
+  from parstrat._src import registry  # noqa: PLC0415 (import cycle)
+
+  fields = set(registry.options_of(cls)[0])
   return next((name for name in (axis, axis + "s") if name in fields), None)
 
 
@@ -673,15 +673,32 @@ def _made_mesh(strategy: Strategy) -> Mesh:
   return mesh
 
 
-def _checked_loss_and_grad(loss_and_grad: Callable[..., Any]) -> Callable[..., Any]:
+def _check_grad_shapes(grads: Any, params: Any, what: str) -> None:
+  """Raises `ValueError` for a gradient of another shape than its param (JAX would
+  broadcast it into the update without a word); the structures are alike."""
+  for (path, grad), param in zip(
+    jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params), strict=True
+  ):
+    if np.shape(grad) != np.shape(param):
+      raise ValueError(
+        f"{what} returned grads{jax.tree_util.keystr(path)} of shape {np.shape(grad)}; "
+        f"this device holds that param with shape {np.shape(param)}."
+      )
+
+
+def _checked_loss_and_grad(loss_and_grad: Callable[..., Any], local: bool) -> Callable[..., Any]:
   """`loss_and_grad` with its results checked where it is traced (a plan of one's own).
+
+  `local`: the plan has a `reduce`, so the gradients are each device's own,
+  and may have other shapes until `reduce` (a reduce-scatter) gives them the
+  params' (checked there, `_check_grad_shapes`).
 
   Raises (when traced):
     TypeError: for other than `(loss, grads, model_state)`, gradients of
       another structure than the params (naming a leaf only one has), or a
       model state of another structure.
-    ValueError: for a loss that is not a scalar, or a gradient of another
-      shape than its param (JAX would broadcast it into the update silently).
+    ValueError: for a loss that is not a scalar, or (unless `local`) a
+      gradient of another shape than its param.
   """
 
   def run(params, inputs, targets, key, model_state):
@@ -705,12 +722,8 @@ def _checked_loss_and_grad(loss_and_grad: Callable[..., Any]) -> Callable[..., A
         f"a gradient for {extra[0]}, which is no param" if extra else "another tree structure"
       )
       raise TypeError(f"{what} returned gradients unlike the params: {detail}.")
-    for path, grad in got.items():
-      if np.shape(grad) != np.shape(given[path]):
-        raise ValueError(
-          f"{what} returned grads{jax.tree_util.keystr(path)} of shape {np.shape(grad)}; "
-          f"this device holds that param with shape {np.shape(given[path])}."
-        )
+    if not local:
+      _check_grad_shapes(grads, params, what)
     if jax.tree.structure(new_state) != jax.tree.structure(model_state):
       raise TypeError(
         f"{what} returned a model state of another structure than the one it was given."
@@ -1056,7 +1069,7 @@ class Trainer:
   def _compiled_step(self):
     plan = self.plan
     mesh = self.mesh
-    loss_and_grad = _checked_loss_and_grad(plan.loss_and_grad)
+    loss_and_grad = _checked_loss_and_grad(plan.loss_and_grad, local=plan.reduce is not None)
     param_spec = plan.param_spec
     accumulate = self.accumulate
     axes = self._batch_axes()
@@ -1087,6 +1100,7 @@ class Trainer:
         )
         if plan.reduce is not None:
           loss, grads = plan.reduce((loss, grads))
+          _check_grad_shapes(grads, params, "Plan.reduce")
         model_state = _mean_over(model_state, axes, mesh)
         if not norm_inside:
           return loss, grads, model_state

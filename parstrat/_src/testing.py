@@ -93,13 +93,13 @@ class Report:
   max_loss_diff: float
   max_param_diff: float
   compiles_after_first_step: int
-  #: Param leaves whose reference gradient stayed at rounding level (see `check_strategy`).
-  rounding_level_leaves: tuple[str, ...] = ()
+  #: Leaves the order of the sums decides (see `check_strategy`), compared loosely.
+  order_sensitive_leaves: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     loose = (
-      f", {len(self.rounding_level_leaves)} leaves with gradients at rounding level"
-      if self.rounding_level_leaves
+      f", {len(self.order_sensitive_leaves)} leaves decided by the order of the sums"
+      if self.order_sensitive_leaves
       else ""
     )
     return (
@@ -132,8 +132,11 @@ class Reference(NamedTuple):
   grad_norms: list[float]
   params: Any
   model_state: Any
-  #: Per param leaf, the largest |gradient| entry over the steps (a pytree of floats).
-  grad_peaks: Any = None
+  #: With `order_spread=True`: per leaf of the params and of the model state, the
+  #: largest |difference| from a second run on the same batches with their rows in
+  #: reverse order (the same sums, added in another order); else None.
+  param_spread: Any = None
+  state_spread: Any = None
 
 
 def reference_train(
@@ -146,6 +149,7 @@ def reference_train(
   model_inputs: Callable[[Any], Any] | None = None,
   model_state: Any = None,
   rng: jax.Array | None = None,
+  order_spread: bool = False,
 ) -> Reference:
   """Plain single-device `jax.jit` training on `batches`: the oracle every strategy must match.
 
@@ -162,10 +166,14 @@ def reference_train(
     loss_fn, model_inputs: as for the trainer.
     model_state: the initial state of a stateful model.
     rng: the key given to `trainer.init` (None: the model draws no randomness).
+    order_spread: also train again on the batches with their rows reversed
+      (for a model that draws no randomness and treats rows alike), and
+      record how far each leaf of the result moved: how much the order of the
+      sums alone decides it.
 
   Returns:
     A `Reference`: per-step losses and global gradient norms, final params
-    and model state.
+    and model state (and with `order_spread`, the spreads).
   """
   stateful = as_stateful(model)
   inputs_of = (lambda b: b[0]) if model_inputs is None else model_inputs
@@ -188,21 +196,33 @@ def reference_train(
     (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     grad_norm = optax.tree_utils.tree_norm(grads)
-    peaks = jax.tree.map(lambda g: jnp.max(jnp.abs(g), initial=0.0), grads)
-    new_params = optax.apply_updates(params, updates)
-    return new_params, opt_state, model_state, value, grad_norm, peaks
+    return optax.apply_updates(params, updates), opt_state, model_state, value, grad_norm
 
-  losses, grad_norms, grad_peaks = [], [], None
-  for t, batch in enumerate(batches):
-    key = None if base is None else jax.random.fold_in(base, t)
-    params, opt_state, model_state, loss, grad_norm, peaks = step(
-      params, opt_state, model_state, key, jax.device_put(batch, device)
-    )
-    losses.append(float(loss))
-    grad_norms.append(float(grad_norm))
-    peaks = jax.tree.map(float, peaks)
-    grad_peaks = peaks if grad_peaks is None else jax.tree.map(max, grad_peaks, peaks)
-  return Reference(losses, grad_norms, params, model_state, grad_peaks)
+  def train(params, opt_state, model_state, batches):
+    losses, grad_norms = [], []
+    for t, batch in enumerate(batches):
+      key = None if base is None else jax.random.fold_in(base, t)
+      params, opt_state, model_state, loss, grad_norm = step(
+        params, opt_state, model_state, key, jax.device_put(batch, device)
+      )
+      losses.append(float(loss))
+      grad_norms.append(float(grad_norm))
+    return Reference(losses, grad_norms, params, model_state)
+
+  if not order_spread:
+    return train(params, opt_state, model_state, batches)
+  first = train(params, opt_state, jax.tree.map(jnp.copy, model_state), batches)
+  reversed_rows = [jax.tree.map(lambda x: x[::-1], batch) for batch in batches]
+  second = train(params, opt_state, model_state, reversed_rows)
+
+  def spread(a, b):
+    diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+    return float(diff.max(initial=0.0))
+
+  return first._replace(
+    param_spread=jax.tree.map(spread, first.params, second.params),
+    state_spread=jax.tree.map(spread, first.model_state, second.model_state),
+  )
 
 
 def reference_run(
@@ -251,8 +271,8 @@ def _first_divergence(
     if leaf_atol is not None:
       if not np.allclose(a, b, rtol=0, atol=leaf_atol) and not worst_name:
         worst_name = (
-          f"{name} (its reference gradient is at rounding level, so compared within "
-          f"{leaf_atol:.3g}: twice its reference movement)"
+          f"{name} (a leaf the order of the sums decides: compared within {leaf_atol:.3g}, "
+          f"{ORDER_MARGIN} times its spread over two orders in the reference)"
         )
         worst = max(worst, diff)
       continue
@@ -270,30 +290,36 @@ def _sum_hint(ratio: float, trainer: Any) -> str:
   return ": the size of a mesh axis, a sum where a mean belongs?" if near else ""
 
 
-#: A param leaf whose reference gradient never exceeds this fraction of the largest
-#: gradient entry of the run has a gradient at float32 rounding level: zero but for
-#: rounding (an attention key bias, a bias feeding a normalisation).
-ROUNDING_LEVEL = 1e-5
+#: A leaf whose two reference runs (rows in order, rows reversed) differ by more
+#: than its tolerance is compared within this many times that spread: a third order
+#: of the sums (the strategy's) lands about as far.
+ORDER_MARGIN = 4
 
 
-def _rounding_level_tolerances(reference: Reference, initial: Any, atol: float) -> Any:
-  """Per param leaf, a tolerance for those whose gradient is at rounding level, else None.
+def _order_tolerances(spread: Any, atol: float, base_atol: float) -> Any:
+  """Per leaf of `spread`, a tolerance where the order of the sums decides it, else None.
 
-  Adam and other adaptive optimizers divide such a gradient by its own size:
-  rounding noise becomes steps of about the learning rate, in directions that
-  differ with the order of any sum. Such a leaf is compared only within `atol`
-  plus twice the distance it moved in the reference.
+  Adam and other adaptive optimizers divide a gradient that is zero but for
+  rounding (attention's key bias, a bias before BatchNorm) by its own size:
+  the rounding becomes steps of about the learning rate, in directions the
+  order of every sum decides. Two orders of the reference itself then differ
+  beyond `base_atol` (the tolerance of an order-independent result) there, and
+  nowhere else: such a leaf gets `atol + ORDER_MARGIN * spread`.
   """
-  peaks = jax.tree.leaves(reference.grad_peaks)
-  top = max(peaks, default=0.0)
+  if spread is None:
+    return None
+  return jax.tree.map(lambda s: atol + ORDER_MARGIN * s if s > base_atol else None, spread)
 
-  def tolerance(peak, final, start):
-    if top == 0.0 or peak > ROUNDING_LEVEL * top:
-      return None
-    moved = np.asarray(final, np.float64) - np.asarray(start, np.float64)
-    return atol + 2 * float(np.max(np.abs(moved), initial=0.0))
 
-  return jax.tree.map(tolerance, reference.grad_peaks, reference.params, initial)
+def _loose_leaves(loose: Any, prefix: str) -> tuple[str, ...]:
+  """The names of the leaves `_order_tolerances` loosened."""
+  if loose is None:
+    return ()
+  return tuple(
+    prefix + jax.tree_util.keystr(path)
+    for path, tol in jax.tree_util.tree_leaves_with_path(loose, is_leaf=lambda x: x is None)
+    if tol is not None
+  )
 
 
 def check_strategy(
@@ -328,14 +354,17 @@ def check_strategy(
   and model state must match the reference within `rtol`/`atol`; and
   `trainer.apply` on the first batch's inputs must give what `model.apply`
   gives on `trainer.params(state)` (same structure and shapes, within
-  `rtol`/`atol`). A param whose reference gradient stays at float32 rounding
-  level (below `ROUNDING_LEVEL` times the run's largest gradient entry: zero
-  but for rounding, as an attention key bias or a bias feeding a
-  normalisation) is compared within `atol` plus twice the distance it moved in
-  the reference: adaptive optimizers turn that rounding into steps of about
-  the learning rate in directions no two summation orders share; the report
-  names such leaves (`Report.rounding_level_leaves`). With SGD they barely
-  move, so this loosens nothing there. The model state is checked only for a model that has one:
+  `rtol`/`atol`). For a model that draws no randomness the reference is
+  trained twice, the second time on the batches with their rows reversed
+  (the same sums in another order): a leaf of the params or model state
+  where the two differ by more than its tolerance is one the order of the
+  sums decides, beyond `atol` (adaptive optimizers turn the rounding of a gradient that is
+  zero but for rounding, such as attention's key bias or a bias before
+  BatchNorm, into learning-rate-sized steps), and is compared within its
+  tolerance plus `ORDER_MARGIN` times that spread; the report names such
+  leaves (`Report.order_sensitive_leaves`). A leaf with a real gradient has
+  no such spread, so a strategy that drops, scales or flips its gradient is
+  still caught. The model state is checked only for a model that has one:
   the default model has none, so pass a stateful model to check a strategy
   that declares `supports_state`. A model whose collectives name one of the
   strategy's `model_axes` (`hk.BatchNorm(cross_replica_axis="data")` under
@@ -418,6 +447,11 @@ def check_strategy(
     trainer = strategy(model, optimizer, loss_fn=loss_fn, **options)
     key = jax.random.key(seed)
     reference_params, reference_state = jax.jit(reference_model.init)(key, sample)
+    label = f"{strategy!r} with {name}"
+    try:
+      state = trainer.init(key, sample)
+    except Exception as e:  # noqa: BLE001 - a strategy that cannot run fails the check
+      raise AssertionError(f"{label} failed to train: {type(e).__name__}: {e}") from e
     reference = reference_train(
       reference_model,
       optimizer,
@@ -427,10 +461,11 @@ def check_strategy(
       model_inputs=model_inputs,
       model_state=reference_state,
       rng=key,
+      # (rows reversed: another order of the same sums, unless the model draws
+      # randomness, whose masks would then fall on other rows)
+      order_spread=not trainer.uses_rng,
     )
-    label = f"{strategy!r} with {name}"
     try:
-      state = trainer.init(key, sample)
       losses, grad_norms = [], []
       with _count_compiles() as compiles:
         for i in range(steps):
@@ -477,11 +512,14 @@ def check_strategy(
         + _sum_hint(grad_norms[i] / reference.grad_norms[i], trainer)
         + ")"
       )
-    loose = _rounding_level_tolerances(reference, reference_params, param_atol)
+    loose = _order_tolerances(reference.param_spread, param_atol, atol)
+    loose_state = _order_tolerances(reference.state_spread, param_atol, atol)
     leaf, param_diff = _first_divergence(params, reference.params, rtol, param_atol, loose)
     if leaf:
       problems.append(f"params diverge first at {leaf} (max abs diff {param_diff:.3g})")
-    leaf, state_diff = _first_divergence(model_state, reference.model_state, rtol, param_atol)
+    leaf, state_diff = _first_divergence(
+      model_state, reference.model_state, rtol, param_atol, loose_state
+    )
     if leaf:
       problems.append(f"model state diverges first at {leaf} (max abs diff {state_diff:.3g})")
     leaf, output_diff = _first_divergence(outputs, expected_outputs, rtol, atol)
@@ -504,11 +542,8 @@ def check_strategy(
         max_loss_diff=float(loss_diff.max()),
         max_param_diff=param_diff,
         compiles_after_first_step=recompiles,
-        rounding_level_leaves=tuple(
-          jax.tree_util.keystr(path)
-          for path, tol in jax.tree_util.tree_leaves_with_path(loose, is_leaf=lambda x: x is None)
-          if tol is not None
-        ),
+        order_sensitive_leaves=_loose_leaves(loose, "params")
+        + _loose_leaves(loose_state, "model_state"),
       )
     )
   return reports
