@@ -923,3 +923,46 @@ def test_the_lm_example_trains_from_the_command_line(tmp_path, capsys):
   accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r][-1]
   assert 0.0 <= accuracy <= 1.0
   assert "stage=2" in capsys.readouterr().out
+
+
+OPTIONS_FILE = """
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+import parstrat
+
+if TYPE_CHECKING:
+  from somewhere_not_importable import Thing
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class Typed(parstrat.DataParallel):
+  flag: bool = False
+  name: str = "x"
+  mode: Literal["1", "2"] = "1"
+  thing: Thing | None = None  # (only this one cannot be evaluated)
+
+
+class OwnInit(parstrat.DataParallel):
+  def __init__(self, *, flag: bool = False, **kwargs):
+    super().__init__(**kwargs)
+"""
+
+
+def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch):
+  # One annotation that could not be evaluated made every field of the class read as
+  # TOML: flag=no was the text 'no' (true), name=1 the int 1.
+  (tmp_path / "typed_options.py").write_text(OPTIONS_FILE)
+  monkeypatch.syspath_prepend(tmp_path)
+  import typed_options  # noqa: PLC0415
+
+  read = cli._option_value
+  assert read(typed_options.Typed, "flag", "no") is False
+  assert read(typed_options.Typed, "name", "1") == "1"
+  assert read(typed_options.Typed, "mode", "2") == "2"
+  assert read(typed_options.Typed, "thing", "3") == 3  # (not evaluable: TOML)
+  assert read(typed_options.OwnInit, "flag", "on") is True  # (an __init__ parameter)
+  with pytest.raises(cli.UsageError, match=r"mode=3: mode is one of 1, 2"):
+    read(typed_options.Typed, "mode", "3")

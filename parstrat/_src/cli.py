@@ -348,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     action="extend",
     default=None,
     help="an option of the strategy that no flag above sets, e.g. a field of a strategy of "
-    'your own: hosts=4 (VALUE read as TOML: 4, 0.5, true, "text"; else as text); in a '
-    "config file, a [strategy-option] table",
+    "your own: hosts=4 (VALUE read by the field's type: true/false, a number, text; an "
+    "unannotated field as TOML); in a config file, a [strategy-option] table",
   )
   train.add_argument(
     "--precision",
@@ -669,10 +669,13 @@ def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
   where = f"--strategy-option {key}={text}"
   if not text.strip():
     raise UsageError(f"{where}: give a value after '='")
-  try:
-    hint = typing.get_type_hints(cls).get(key)
-  except Exception:  # noqa: BLE001 - annotations that cannot be evaluated: read as TOML
-    hint = None
+  hint = _option_type(cls, key)
+  if typing.get_origin(hint) is typing.Literal:
+    choices = typing.get_args(hint)
+    chosen = [c for c in choices if str(c) == text.strip()]
+    if not chosen:
+      raise UsageError(f"{where}: {key} is one of {', '.join(map(str, choices))}")
+    return chosen[0]
   kinds = (
     typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
   )
@@ -713,6 +716,33 @@ def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
 
 
 _UNREAD = object()
+
+
+def _option_type(cls: type, key: str) -> Any:
+  """The annotation of option `key` of `cls` (a dataclass field, or an `__init__`
+  parameter), evaluated on its own; None when absent or not evaluable (a name
+  imported only for type checkers): that option alone is then read as TOML."""
+  import inspect
+
+  annotation, module = None, cls.__module__
+  for klass in cls.__mro__:
+    if key in klass.__dict__.get("__annotations__", {}):
+      annotation, module = klass.__dict__["__annotations__"][key], klass.__module__
+      break
+  if annotation is None:
+    try:
+      parameter = inspect.signature(cls).parameters.get(key)
+    except (TypeError, ValueError):
+      parameter = None
+    if parameter is not None and parameter.annotation is not parameter.empty:
+      annotation = parameter.annotation
+  if isinstance(annotation, str):  # (`from __future__ import annotations`)
+    namespace = vars(sys.modules[module]) if module in sys.modules else {}
+    try:
+      annotation = eval(annotation, dict(namespace))  # noqa: S307 - the class's own annotation
+    except Exception:  # noqa: BLE001
+      return None
+  return annotation
 
 
 def _datetime_types() -> tuple[type, ...]:

@@ -270,7 +270,7 @@ def _first_divergence(
       continue
     diff = float(np.max(np.abs(a - b))) if a.size else 0.0
     if leaf_atol is not None:
-      if not np.allclose(a, b, rtol=0, atol=leaf_atol) and not worst_name:
+      if not np.allclose(a, b, rtol=rtol, atol=leaf_atol) and not worst_name:
         worst_name = (
           f"{name} (a leaf the order of the sums decides: compared within {leaf_atol:.3g}, "
           f"{ORDER_MARGIN} times its spread over two orders in the reference)"
