@@ -654,9 +654,10 @@ def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
   """A `--strategy-option` VALUE read by the type of `cls`'s field `key`.
 
   bool fields take true/false (also 1/0, yes/no, on/off), int and float
-  fields a number, str fields the text itself (or a quoted TOML string), an
-  optional field also `none`; other fields a TOML value (`[1, 2]`, `"text"`),
-  or a bare word as text.
+  fields a number, str fields the text itself (or a quoted TOML string), a
+  `Literal` one of its values, an optional field also `none`; other fields
+  (or one whose annotation cannot be evaluated, `_option_type`) a TOML value
+  (`[1, 2]`, `"text"`), or a bare word as text.
 
   Raises:
     UsageError: for an empty value or one the field's type cannot take,
@@ -1019,7 +1020,7 @@ def _run_flags(args: argparse.Namespace) -> dict[str, str]:
   flags = {
     flag: repr(getattr(args, dest, None))
     for dest, flag in _train_flags().items()
-    if dest not in (*PER_PROCESS, "config", "help")
+    if dest not in (*PER_PROCESS, "config", "help", "strategy_options")
   }
   flags["--strategy-option"] = repr(sorted(_strategy_options(args).items()))  # (any order)
   return flags

@@ -451,6 +451,8 @@ def check_strategy(
     label = f"{strategy!r} with {name}"
     try:
       state = trainer.init(key, sample)
+    except AssertionError:
+      raise
     except Exception as e:  # noqa: BLE001 - a strategy that cannot run fails the check
       raise AssertionError(f"{label} failed to train: {type(e).__name__}: {e}") from e
     train_reference = functools.partial(
