@@ -45,39 +45,27 @@ def test_train_end_to_end_on_the_sample():
   assert any("examples/s" in line for line in lines)
 
 
-def test_train_pipeline_prints_its_plan():
-  out = _run(
-    "train",
-    "--strategy",
-    "pipeline",
-    "--stages",
-    "2",
-    "--microbatches",
-    "4",
-    "--epochs",
-    "1",
-    "--batch-size",
-    "1000",
-    "--source",
-    "sample",
-    "--no-progress",
-  )
-  assert out.returncode == 0, out.stderr
-  assert "pipeline plan: 2 stages, cut by balanced params" in out.stdout
-  assert "mesh: {'data': 1, 'stage': 2}" in out.stdout
+def test_train_pipeline_prints_its_plan(capsys):
+  # In this process (the `python -m parstrat` entry point runs in the tests above and below).
+  code = cli.main(
+    ["train", "--strategy", "pipeline", "--stages", "2", "--microbatches", "4", "--epochs", "1",
+     "--steps", "1", "--hidden", "64", "--batch-size", "64", "--source", "sample", "--no-progress"]
+  )  # fmt: skip
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "pipeline plan: 2 stages, cut by balanced params" in out
+  assert "mesh: {'data': 1, 'stage': 2}" in out
 
 
-def test_schedule_draws_a_png(tmp_path):
+def test_schedule_draws_a_png(tmp_path, capsys):
   png = tmp_path / "schedule.png"
-  out = _run(
-    "schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)
+  code = cli.main(
+    ["schedule", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)]
   )
-  assert out.returncode == 0, out.stderr
-  assert (
-    "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)"
-    in out.stdout
-  )
-  assert "in forwards of one stage: 58 recomputing activations, 40 saving them" in out.stdout
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "bubble fraction: 0.2727 idle share of the tick table, 0.2727 theory (P-1)/(M+P-1)" in out
+  assert "in forwards of one stage: 58 recomputing activations, 40 saving them" in out
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -194,13 +182,13 @@ def test_train_auto_prints_its_choice(capsys):
   assert "chose " in out and "eval accuracy" in out
 
 
-def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path):
-  out = _run(
-    "train", "--compare", "data_parallel,pipeline,hybrid", "--data-parallel", "2", "--stages", "2",
-    "--hidden", "64", "64", "--epochs", "1", "--steps", "4", "--batch-size", "64",
-    "--source", "sample", "--no-progress", "--out", str(tmp_path),
+def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path, capsys):
+  code = cli.main(
+    ["train", "--compare", "data_parallel,pipeline,hybrid", "--data-parallel", "2", "--stages", "2",
+     "--hidden", "64", "64", "--epochs", "1", "--steps", "4", "--batch-size", "64",
+     "--source", "sample", "--no-progress", "--out", str(tmp_path)]
   )  # fmt: skip
-  assert out.returncode == 0, out.stderr
+  assert code == 0, capsys.readouterr().err
   assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
   losses = {}
   for name in ("data_parallel", "pipeline", "hybrid"):

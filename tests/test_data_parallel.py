@@ -12,10 +12,11 @@ import parstrat
 import parstrat.testing
 
 
-@pytest.mark.parametrize("data", [1, 2, 4, 8])
+# data=4 trains dict batches and an LSTM in tests/test_trainer_contract.py.
+@pytest.mark.parametrize("data", [1, 2, 8])
 def test_matches_single_device_jit_with_sgd_and_adam(data):
   reports = parstrat.testing.check_strategy(
-    parstrat.DataParallel(data=data), SEED_MLP, steps=20, batch=64
+    parstrat.DataParallel(data=data), SEED_MLP, steps=5, batch=64
   )
   assert [r.optimizer for r in reports] == ["sgd", "adam"]
   for report in reports:

@@ -95,7 +95,7 @@ EXPECTED = {
   ("data_parallel:8", "residual_mlp", "clip_sgd"): MATCH,
   ("data_parallel:2", "cnn", "multisteps"): MATCH,
   ("data_parallel:8", "lm", "adamw_mask"): MATCH,
-  ("data_parallel:2", "lm_untied", "adamw_mask"): MATCH,
+  ("data_parallel:2", "lm_untied", "adam"): MATCH,
   ("data_parallel:8", "shared", "adam"): MATCH,
   ("data_parallel:2", "dropout", "sgd_momentum"): MATCH,
   # fsdp
@@ -107,7 +107,7 @@ EXPECTED = {
   ("fsdp:2,zero2", "shared", "clip_sgd"): MATCH,
   ("fsdp:8", "dropout", "adamw_mask"): MATCH,
   ("fsdp:4,replicate<64", "mlp_layernorm", "adamw_mask"): MATCH,
-  ("fsdp:4,replicate<64", "lm", "clip_sgd"): MATCH,
+  ("fsdp:4,replicate<64", "lm", "adamw_mask"): MATCH,
   # tensor
   ("tensor:2", "mlp", "sgd_momentum"): MATCH,
   ("tensor:4", "mlp_layernorm", "adamw_mask"): MATCH,

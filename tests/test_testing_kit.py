@@ -1,6 +1,7 @@
 """The conformance kit catches broken strategies, and passes the real ones."""
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -268,7 +269,24 @@ def test_vma_checking_rejects_a_missing_reduction_at_trace_time():
     parstrat.testing.check_strategy(NoReduction(), **KIT)
 
 
-@pytest.mark.parametrize("name", sorted(CONFORMANCE))
+#: Built-in strategies whose conformance run (SGD and more) is in their own tests.
+KIT_RUN_ELSEWHERE = {
+  "data_parallel": "test_data_parallel.py::test_matches_single_device_jit_with_sgd_and_adam",
+  "fsdp": "test_sharded_params.py::test_matches_single_device_jit",
+  "tensor": "test_sharded_params.py::test_matches_single_device_jit",
+  "pipeline": "test_pipeline.py::test_seed_mlp_matches_jit",
+  "hybrid": "test_hybrid.py::test_matches_single_device_jit",
+}
+
+
+def test_the_conformance_runs_named_elsewhere_exist():
+  for name, where in KIT_RUN_ELSEWHERE.items():
+    module, test = where.split("::")
+    source = (pathlib.Path(__file__).parent / module).read_text()
+    assert f"def {test}(" in source and "check_strategy(" in source, (name, where)
+
+
+@pytest.mark.parametrize("name", sorted(set(CONFORMANCE) - set(KIT_RUN_ELSEWHERE)))
 def test_passes_builtin_strategies(name):
   # SGD, where a wrong gradient scale shows; each strategy's own tests add Adam.
   reports = parstrat.testing.check_strategy(CONFORMANCE[name], optimizers=[optax.sgd(0.1)], **KIT)
