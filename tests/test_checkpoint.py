@@ -98,9 +98,24 @@ def test_resume_errors_are_one_line(tmp_path, capsys):
     assert "--resume: no checkpoint in" in capsys.readouterr().err
   assert not (tmp_path / "none").exists() and not (tmp_path / "c" / "31").exists()
   assert not (tmp_path / "c" / "data_parallel").exists()
-  assert cli.main([*flags, str(tmp_path / "c"), "--steps", "4", "--resume", "--seed", "7"]) == 2
-  err = capsys.readouterr().err.strip()
-  assert "written with --seed 0 --batch-size 400" in err and "\n" not in err
+  resume = [*flags, str(tmp_path / "c"), "--steps", "4", "--resume"]
+  for change in (["--seed", "7"], ["--batch-size", "200"]):  # the data order would differ
+    assert cli.main([*resume, *change]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "written with --seed 0 --batch-size 400" in err and "\n" not in err
+  # Each guarded change is named and needs --allow-config-change.
+  for change, named in [
+    (["--precision", "mixed_bfloat16"], "precision float32 -> mixed_bfloat16"),
+    (["--lr", "0.5"], "lr 0.001 -> 0.5"),
+    (["--lr-schedule", "cosine"], "lr_schedule constant -> cosine, schedule_steps None -> 4"),
+    (["--warmup-steps", "1"], "warmup_steps 0 -> 1"),
+    (["--weight-decay", "0.1"], "weight_decay 0.0 -> 0.1"),
+    (["--clip-norm", "1"], "clip_norm None -> 1.0"),
+    (["--optimizer", "sgd"], "optimizer adam -> sgd"),
+  ]:
+    assert cli.main([*resume, *change]) == 2, change
+    err = capsys.readouterr().err.strip()
+    assert f"another configuration ({named});" in err and "--allow-config-change" in err, err
 
 
 MODEL = hk.transform(lambda x: hk.nets.MLP([32, 24, 16, 10], activation=jax.nn.swish)(x))

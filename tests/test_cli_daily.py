@@ -7,6 +7,7 @@ import shutil
 import struct
 import sys
 
+import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -780,8 +781,20 @@ def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
   # The evaluation called trainer.apply without rng: a dropout model crashed at epoch end.
-  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_model",
+  keys = []
+
+  def recording(*args, rng=None, **kwargs):
+    keys.append(rng)
+    return eval_accuracy(*args, rng=rng, **kwargs)
+
+  eval_accuracy = run_data.eval_accuracy
+  monkeypatch.setattr(run_data, "eval_accuracy", recording)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_model", "--seed", "3",
                    "--dataset", "mymodel:data", "--out", "run", "--hidden", "8") == 0  # fmt: skip
+  # One eval, at step 2: its key is folded from --seed and the step (not a training key).
+  (key,) = keys
+  want = jax.random.fold_in(jax.random.key(3 + 1), 2)
+  np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want))
   # (--hidden shapes only the built-in MLP: the run says it left it out)
   assert "--hidden 8: not used, the model is --model-fn mymodel:dropout_model" in (
     capsys.readouterr().out.splitlines()
@@ -879,6 +892,26 @@ def test_the_logged_learning_rate_is_the_one_each_update_used(tmp_path, monkeypa
   )
 
 
+def test_eval_accuracy_gives_each_piece_of_a_dropout_model_its_own_key():
+  class RecordsKeys:  # a "trainer" of a model that draws randomness
+    uses_rng = True
+
+    def __init__(self):
+      self.keys = []
+
+    def apply(self, state, x, rng):
+      self.keys.append(np.asarray(jax.random.key_data(rng)))
+      return np.zeros((len(x), 3), np.float32)
+
+  trainer, rng = RecordsKeys(), jax.random.key(7)
+  labels = np.zeros(5, np.int32)
+  assert run_data.eval_accuracy(trainer, None, [(labels, labels)], 2, slice(None), rng=rng) == 1
+  want = [jax.random.key_data(jax.random.fold_in(rng, i)) for i in range(3)]
+  np.testing.assert_array_equal(trainer.keys, want)  # 3 pieces of 2, each its own key
+  with pytest.raises(ValueError, match="the model draws randomness; pass rng="):
+    run_data.eval_accuracy(trainer, None, [(labels, labels)], 2, slice(None))
+
+
 def test_eval_accuracy_counts_every_label_of_a_sequence_once():
   class OneHotOfInputs:  # a "trainer" whose outputs predict each input token itself
     def __init__(self):
@@ -942,6 +975,7 @@ class Typed(parstrat.DataParallel):
   flag: bool = False
   name: str = "x"
   mode: Literal["1", "2"] = "1"
+  every: int | None = 4
   thing: Thing | None = None  # (only this one cannot be evaluated)
 
 
@@ -962,6 +996,9 @@ def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch
   assert read(typed_options.Typed, "flag", "no") is False
   assert read(typed_options.Typed, "name", "1") == "1"
   assert read(typed_options.Typed, "mode", "2") == "2"
+  assert read(typed_options.Typed, "every", "none") is None  # (an optional field)
+  assert read(typed_options.Typed, "every", "None") is None
+  assert read(typed_options.Typed, "every", "3") == 3
   assert read(typed_options.Typed, "thing", "3") == 3  # (not evaluable: TOML)
   assert read(typed_options.OwnInit, "flag", "on") is True  # (an __init__ parameter)
   with pytest.raises(cli.UsageError, match=r"mode=3: mode is one of 1, 2"):

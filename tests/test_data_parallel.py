@@ -86,6 +86,15 @@ class _GradientsNotAveraged(parstrat.DataParallel):
     return dataclasses.replace(super().make_plan(*args, **kwargs), reduce=lambda pair: pair)
 
 
+def _one_replica_changed(params):
+  """`params` with the first leaf's copy on the last device moved by 1."""
+  (first, *rest), treedef = jax.tree.flatten(params)
+  copies = [shard.data for shard in first.addressable_shards]
+  copies[-1] = copies[-1] + 1
+  changed = jax.make_array_from_single_device_arrays(first.shape, first.sharding, copies)
+  return jax.tree.unflatten(treedef, [changed, *rest])
+
+
 def test_debug_option_checks_replicas_every_step():
   images, labels = parstrat.testing.random_batches(2, 16)
   trainer = parstrat.DataParallel(data=4, debug=True)(SEED_MLP, optax.sgd(0.1))
@@ -93,6 +102,12 @@ def test_debug_option_checks_replicas_every_step():
   for x, y in zip(images, labels, strict=True):
     state, metrics = trainer.step(state, (x, y))
   assert np.isfinite(float(metrics["loss"]))
+  # Replicas made to differ after a few steps: the next step, not only the first, checks.
+  state = state._replace(params=_one_replica_changed(state.params))
+  with pytest.raises(
+    AssertionError, match=r"Replicas of \.params\['mlp/~/linear_0'\]\['b'\] differ"
+  ):
+    trainer.step(state, (images[0], labels[0]))
   # A plan that forgets its gradient mean passes without debug and fails the check with it.
   for debug in (False, True):
     trainer = _GradientsNotAveraged(data=4, debug=debug)(SEED_MLP, optax.sgd(0.1))

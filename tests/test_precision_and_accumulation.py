@@ -62,6 +62,24 @@ def test_mixed_precision_computes_in_bfloat16_and_keeps_float32_state():
   assert runs[None][1] != runs["mixed_bfloat16"][1]
 
 
+def _matmul_operand_types(hlo: str) -> list[str]:
+  """The operand types of every matrix product in lowered StableHLO, e.g. `4x784xbf16`."""
+  return re.findall(r"tensor<([^>]*)>", " ".join(re.findall(r"dot_general .*: \((.*)\) ->", hlo)))
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_matrix_product_of_a_mixed_step_takes_bfloat16(name):
+  # Params cast to bfloat16 but inputs left in float32 still hold bf16 in the step (the
+  # casts), while type promotion silently runs every first-layer product in float32.
+  images, labels = random_batches(1, 32)
+  for precision, dtype in ((None, "f32"), ("mixed_bfloat16", "bf16")):
+    trainer = STRATEGIES[name](parstrat.testing.seed_mlp(), optax.sgd(0.1), precision=precision)
+    state = trainer.init(jax.random.key(0), images[0][:1])
+    operands = _matmul_operand_types(trainer.lower(state, (images[0], labels[0])).as_text())
+    assert len(operands) >= 8, operands  # forward and backward of both layers
+    assert all(t.endswith("x" + dtype) for t in operands), (precision, operands)
+
+
 def test_precision_accepts_jmp_policies():
   policy = jmp.get_policy("params=float32,compute=bfloat16,output=float32")
   trainer = parstrat.DataParallel(data=2)(

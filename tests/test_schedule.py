@@ -1,6 +1,8 @@
 """Schedules are plain data: checked here without any device."""
 
+import ast
 import dataclasses
+import pathlib
 import re
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
+import parstrat
 from parstrat import pipeline
 from parstrat._src.pipeline import engine
 from parstrat._src.pipeline import schedule as schedule_lib
@@ -455,6 +458,19 @@ def test_schedule_checks_hold_under_python_optimize():
     [sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True, timeout=120
   )
   assert "refused:" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_package_holds_no_assert_statement():
+  # Every check of the package raises: an `assert` (gone under `python -O`) anywhere,
+  # such as one that turned a schedule check back into one, fails here.
+  package = pathlib.Path(parstrat.__file__).parent
+  found = [
+    f"{path.relative_to(package)}:{node.lineno}"
+    for path in sorted(package.rglob("*.py"))
+    for node in ast.walk(ast.parse(path.read_text()))
+    if isinstance(node, ast.Assert)
+  ]
+  assert not found, found
 
 
 # ------------------------------------------------------------------------ CLI

@@ -91,6 +91,11 @@ def test_zero_1_and_2_shard_only_the_optimizer_state(zero):
   ratio = _bytes_on_first_device(state.opt_state) / _bytes_on_first_device(dp_state.opt_state)
   assert ratio < 1.2 / 8
   assert trainer.plan.description.startswith(f"ZeRO-{zero}")
+  # The gradients: laid out whole (ZeRO-1) or split over "data" (ZeRO-2) before the update.
+  images, labels = parstrat.testing.random_batches(1, 16)
+  text = trainer.lower(state, (images[0], labels[0])).as_text()
+  layouts = re.findall(r"sdy.sharding_constraint %\w+ <@mesh, (.*)> : tensor<784x512xf32>", text)
+  assert layouts == ['[{"data"}, {}]' if zero == 2 else "[{}, {}]"], layouts
 
 
 def test_zero_stage_must_be_1_2_or_3():

@@ -123,8 +123,15 @@ class GarbageForward(DataParallelOnFour):
 
 
 class DoublesGradNorm(Trainer):
+  """Reports twice the gradient norm from its second step on (the kit checks every step)."""
+
+  steps_taken = 0
+
   def step(self, state, batch):
     state, metrics = super().step(state, batch)
+    self.steps_taken += 1
+    if self.steps_taken < 2:
+      return state, metrics
     return state, {**metrics, "grad_norm": 2 * metrics["grad_norm"]}
 
 
@@ -251,8 +258,28 @@ def test_a_plan_may_leave_a_dimension_unconstrained():
   trainer.init(jax.random.key(0), jnp.zeros((1, 784)))
 
 
+def test_the_kit_builds_its_trainer_with_the_precision_and_accumulation_it_is_given():
+  # The accumulation and mixed-precision tests run through the kit: an option it dropped
+  # would leave them testing accumulate=1 in float32, and passing.
+  built = []
+
+  @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+  class Recording(DataParallelOnFour):
+    def __call__(self, model, optimizer, **options):
+      built.append(super().__call__(model, optimizer, **options))
+      return built[-1]
+
+  parstrat.testing.check_strategy(
+    Recording(), optimizers=[optax.sgd(0.1)], steps=2, batch=16, accumulate=2,
+    precision="mixed_bfloat16", rtol=1e-3, atol=1e-3,
+  )  # fmt: skip
+  (trainer,) = built
+  assert trainer.accumulate == 2
+  assert trainer.policy.compute_dtype == jnp.bfloat16
+
+
 def test_catches_a_wrong_grad_norm():
-  with pytest.raises(AssertionError, match=r"metrics\['grad_norm'\] differs from step 1"):
+  with pytest.raises(AssertionError, match=r"metrics\['grad_norm'\] differs from step 2:"):
     parstrat.testing.check_strategy(ReportsTwiceTheGradNorm(), optimizers=[optax.sgd(0.1)], **KIT)
 
 
