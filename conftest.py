@@ -23,11 +23,18 @@ import os
 import shutil
 import tempfile
 
+# (A flag already in XLA_FLAGS is left as given: XLA_FLAGS=--xla_cpu_use_fusion_emitters=true
+# runs the suite with XLA's defaults for emitters.)
+_FLAGS = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
-  [
-    os.environ.get("XLA_FLAGS", ""),
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
+  [_FLAGS]
+  + [
+    f"--{flag}={value}"
+    for flag, value in (
+      ("xla_backend_optimization_level", 0),
+      ("xla_cpu_use_fusion_emitters", "false"),
+    )
+    if f"--{flag}=" not in _FLAGS
   ]
 ).strip()
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

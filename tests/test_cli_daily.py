@@ -905,9 +905,10 @@ def test_eval_accuracy_gives_each_piece_of_a_dropout_model_its_own_key():
 
   trainer, rng = RecordsKeys(), jax.random.key(7)
   labels = np.zeros(5, np.int32)
-  assert run_data.eval_accuracy(trainer, None, [(labels, labels)], 2, slice(None), rng=rng) == 1
-  want = [jax.random.key_data(jax.random.fold_in(rng, i)) for i in range(3)]
-  np.testing.assert_array_equal(trainer.keys, want)  # 3 pieces of 2, each its own key
+  batches = [(labels, labels)] * 2
+  assert run_data.eval_accuracy(trainer, None, batches, 2, slice(None), rng=rng) == 1
+  want = [jax.random.key_data(jax.random.fold_in(rng, i)) for i in range(6)]
+  np.testing.assert_array_equal(trainer.keys, want)  # 3 pieces of 2 a batch, each its own key
   with pytest.raises(ValueError, match="the model draws randomness; pass rng="):
     run_data.eval_accuracy(trainer, None, [(labels, labels)], 2, slice(None))
 

@@ -10,8 +10,8 @@ from parstrat._src import hlo_check
 
 
 # (8, 1) and (1, 8) are data parallelism and the pipeline: see
-# test_data_and_pipeline_are_special_cases and tests/test_pipeline.py; (4, 2) trains the
-# CNN in tests/test_model_matrix.py.
+# test_data_and_pipeline_are_special_cases and tests/test_pipeline.py; (4, 2) runs in
+# the conformance kit (tests/test_testing_kit.py).
 @pytest.mark.parametrize("data, stages", [(2, 4)])
 def test_matches_single_device_jit(data, stages):
   strategy = parstrat.Hybrid(data=data, stages=stages, microbatches=2)

@@ -997,7 +997,9 @@ def _check_nan_bubbles_with_sgd(schedule, activations, virtual_stages, **options
 
 @pytest.mark.parametrize(
   "schedule, activations, virtual_stages",
-  # ZB-H1 "save": test_values_from_the_model_inputs_are_recomputed_by_the_stages_that_read_them.
+  # ZB-H1 "save" with NaN bubbles: test_a_first_stage_whose_inputs_have_no_derivative_trains
+  # and test_the_leaves_alike_in_every_stage_are_cut_once_per_step (P = 2), and at P = 4
+  # test_values_from_the_model_inputs_are_recomputed_by_the_stages_that_read_them.
   [("interleaved_1f1b", "dots_saveable", 2)],
 )
 def test_saved_activations_match_jit(schedule, activations, virtual_stages):

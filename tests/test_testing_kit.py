@@ -1,5 +1,6 @@
 """The conformance kit catches broken strategies, and passes the real ones."""
 
+import ast
 import dataclasses
 import pathlib
 import subprocess
@@ -123,22 +124,27 @@ class GarbageForward(DataParallelOnFour):
 
 
 class DoublesGradNorm(Trainer):
-  """Reports twice the gradient norm from its second step on (the kit checks every step)."""
+  """Reports twice the gradient norm from step `from_step` on (the kit checks every step)."""
 
+  from_step = 1
   steps_taken = 0
 
   def step(self, state, batch):
     state, metrics = super().step(state, batch)
     self.steps_taken += 1
-    if self.steps_taken < 2:
+    if self.steps_taken < self.from_step:
       return state, metrics
     return state, {**metrics, "grad_norm": 2 * metrics["grad_norm"]}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class ReportsTwiceTheGradNorm(DataParallelOnFour):
+  from_step: int = 1
+
   def __call__(self, model, optimizer, *, loss_fn=None):
-    return DoublesGradNorm(self, model, optimizer, loss_fn=loss_fn)
+    trainer = DoublesGradNorm(self, model, optimizer, loss_fn=loss_fn)
+    trainer.from_step = self.from_step
+    return trainer
 
 
 KIT = dict(steps=3, batch=16)
@@ -278,9 +284,14 @@ def test_the_kit_builds_its_trainer_with_the_precision_and_accumulation_it_is_gi
   assert trainer.policy.compute_dtype == jnp.bfloat16
 
 
-def test_catches_a_wrong_grad_norm():
-  with pytest.raises(AssertionError, match=r"metrics\['grad_norm'\] differs from step 2:"):
-    parstrat.testing.check_strategy(ReportsTwiceTheGradNorm(), optimizers=[optax.sgd(0.1)], **KIT)
+@pytest.mark.parametrize("from_step", [1, 2])
+def test_catches_a_wrong_grad_norm(from_step):
+  with pytest.raises(
+    AssertionError, match=rf"metrics\['grad_norm'\] differs from step {from_step}:"
+  ):
+    parstrat.testing.check_strategy(
+      ReportsTwiceTheGradNorm(from_step=from_step), optimizers=[optax.sgd(0.1)], **KIT
+    )
 
 
 def test_vma_checking_rejects_a_missing_reduction_at_trace_time():
@@ -302,15 +313,20 @@ KIT_RUN_ELSEWHERE = {
   "fsdp": "test_sharded_params.py::test_matches_single_device_jit",
   "tensor": "test_sharded_params.py::test_matches_single_device_jit",
   "pipeline": "test_pipeline.py::test_seed_mlp_matches_jit",
-  "hybrid": "test_hybrid.py::test_matches_single_device_jit",
 }
 
 
 def test_the_conformance_runs_named_elsewhere_exist():
+  # Each named test (its decorators included) runs the kit on that strategy's class.
   for name, where in KIT_RUN_ELSEWHERE.items():
     module, test = where.split("::")
     source = (pathlib.Path(__file__).parent / module).read_text()
-    assert f"def {test}(" in source and "check_strategy(" in source, (name, where)
+    (node,) = [
+      n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == test
+    ]
+    text = "".join(ast.get_source_segment(source, n) for n in [*node.decorator_list, node])
+    assert "check_strategy(" in text, where
+    assert f"{type(CONFORMANCE[name]).__name__}(" in text, (name, where)
 
 
 @pytest.mark.parametrize("name", sorted(set(CONFORMANCE) - set(KIT_RUN_ELSEWHERE)))
