@@ -111,9 +111,14 @@ def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path
       "Strategy 'data_parallel' has no option 'stages'; its options are devices, debug, data.",
     ),
     (["schedule", "--stages", "2", "--microbatches", "2", "--schedule", "1f1b"], None),
+    # `--checkpoint-dir "$CKPT"` with CKPT unset trained and saved nothing, without a word.
+    (["train", "--checkpoint-dir", "", "--overwrite"], "--checkpoint-dir is an empty path ('':"),
+    (["train", "--out", " "], "--out is an empty path (' ':"),
+    (["train", "--metrics", ""], "--metrics is an empty path"),
   ],
 )
-def test_errors_are_one_line_with_exit_code_2(args, message, capsys):
+def test_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # (a run the empty paths let through writes here)
   code = cli.main(args)
   err = capsys.readouterr().err
   if message is None:

@@ -770,11 +770,18 @@ def _check_paths(args: argparse.Namespace) -> None:
   """Finds the file-system problems of `train`'s flags before anything is loaded or trained.
 
   Raises:
-    UsageError: for checkpoint flags without `--checkpoint-dir`, a path that
+    UsageError: for an empty path (an unset shell variable: the run would save
+      nothing), checkpoint flags without `--checkpoint-dir`, a path that
       is a file where a directory is needed (or the other way round), a
       missing or unwritable directory, or a non-empty checkpoint directory
       without `--resume` or `--overwrite`.
   """
+  for flag in ("--checkpoint-dir", "--out", "--metrics", "--data-dir"):
+    value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    if value is not None and not str(value).strip():
+      raise UsageError(
+        f"{flag} is an empty path ({value!r}: an unset variable?); give one, or leave the flag out"
+      )
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
   if given == ["--overwrite"] and args.out is not None:
