@@ -39,6 +39,14 @@ def model():
   return net, loss_fn
 
 
+def with_precision():  # a dict whose keys the command line sets from its flags
+  return {"model": model()[0], "precision": "mixed_bfloat16"}
+
+
+def with_a_typo():
+  return {"model": model()[0], "loss_fun": model()[1]}
+
+
 def tanh_model():  # the same shapes as model()'s
   net = hk.transform(lambda x: hk.nets.MLP([16, 16, 4], activation=jax.nn.tanh)(x))
   return net, model()[1]
@@ -724,6 +732,23 @@ def test_ctrl_c_outside_a_training_step_is_one_line(tmp_path, monkeypatch, capsy
     "parstrat train: interrupted: SIGINT outside a training step; checkpoints already "
     "written are kept\n"
   )
+
+
+def test_a_model_fns_dict_keys_the_trainer_does_not_take_are_named(tmp_path, monkeypatch, capsys):
+  # They gave Python's "got multiple values for keyword argument 'precision'" (without
+  # --precision given) or "unexpected keyword argument 'loss_fun'".
+  for name, message in [
+    ("with_precision", "--model-fn returned 'precision' in its dict: on the command line it "
+                       "comes from --precision"),
+    ("with_a_typo", "--model-fn returned 'loss_fun' in its dict, which the trainer does not "
+                    "take (did you mean 'loss_fn'?); it takes loss_fn, model_inputs"),
+  ]:  # fmt: skip
+    flags = ["--model-fn", f"mymodel:{name}", "--dataset", "mymodel:data"]
+    assert _user_run(tmp_path, monkeypatch, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+  for name in parstrat.available():  # every built-in takes a dict's loss_fn and model_inputs
+    cli._check_model_options(parstrat.get(name), {"loss_fn": None, "model_inputs": None})
 
 
 def test_resume_with_another_model_fn_of_the_same_shapes_is_a_guarded_change(

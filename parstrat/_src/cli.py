@@ -898,6 +898,46 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
   return guarded + other
 
 
+#: Trainer options the command line sets from its own flags.
+_OPTION_FLAGS = {
+  "optimizer": "--optimizer and its flags (an optax optimizer of your own needs the Python API)",
+  "precision": "--precision",
+  "accumulate": "--accumulate",
+  "skip_nonfinite": "--stop-on-nonfinite",
+}
+
+
+def _check_model_options(strategy, options: dict) -> None:
+  """Refuses keys of `--model-fn`'s dict that the trainer does not take from it.
+
+  Raises:
+    UsageError: for a key the command line sets from a flag (naming the flag),
+      or one `strategy(model, optimizer, ...)` does not take (naming those it does).
+  """
+  import difflib
+  import inspect
+
+  parameters = inspect.signature(strategy.__call__).parameters
+  takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+  takes = sorted(
+    name for name, p in parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _OPTION_FLAGS
+  )  # fmt: skip
+  for key in options:
+    if key in _OPTION_FLAGS:
+      raise UsageError(
+        f"--model-fn returned {key!r} in its dict: on the command line it comes from "
+        f"{_OPTION_FLAGS[key]}"
+      )
+    if not takes_any and key not in parameters:
+      close = difflib.get_close_matches(key, takes, n=1)
+      raise UsageError(
+        f"--model-fn returned {key!r} in its dict, which the trainer does not take"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; it takes {', '.join(takes)}"
+      )
+
+
 def _compare_names(args) -> list[str]:
   """The strategy names `--compare` lists."""
   return [name.strip() for name in args.compare.split(",")]
@@ -1317,6 +1357,7 @@ def _train_one(
   from parstrat._src.history import History
 
   optimizer, lr_schedule = _optimizer(args, data)
+  _check_model_options(strategy, model_options or {})
   try:
     trainer = strategy(
       model,
