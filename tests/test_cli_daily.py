@@ -1011,7 +1011,7 @@ class OwnInit(parstrat.DataParallel):
 """
 
 
-def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch):
+def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch, capsys):
   # One annotation that could not be evaluated made every field of the class read as
   # TOML: flag=no was the text 'no' (true), name=1 the int 1.
   (tmp_path / "typed_options.py").write_text(OPTIONS_FILE)
@@ -1029,3 +1029,8 @@ def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch
   assert read(typed_options.OwnInit, "flag", "on") is True  # (an __init__ parameter)
   with pytest.raises(cli.UsageError, match=r"mode=3: mode is one of 1, 2"):
     read(typed_options.Typed, "mode", "3")
+  # The devices come from --devices (they gave "got multiple values for 'devices'").
+  assert cli.main(["train", "--strategy", "pipeline", "--strategy-option", "devices=[0,1]"]) == 2
+  assert "--strategy-option devices=[0,1]: the devices come from --devices; give that instead" in (
+    capsys.readouterr().err
+  )

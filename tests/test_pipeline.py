@@ -343,6 +343,8 @@ def _edited_gpipe(one_slot):
     ),
     (dict(stages=2, exchange_every=0), ValueError, "exchange_every must be a positive integer"),
     (dict(stages=2, unroll="yes"), ValueError, "unroll must be True or False, got 'yes'"),
+    # (`--strategy-option cuts=3` gave "'int' object is not iterable")
+    (dict(stages=2, cuts=3), ValueError, r"cuts must be a tuple of layer indices, got 3\."),
     (
       dict(stages=2, schedule=pipeline.build_schedule("1f1b", 2, 2), exchange_every=2),
       ValueError,

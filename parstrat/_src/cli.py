@@ -622,6 +622,10 @@ def _strategy_config(
   flags = {"data": "data-parallel", "model": "tensor-parallel"}
   cls = parstrat._src.registry.lookup(name)
   for key, text in _strategy_options(args).items():  # (the command line's, after the file's)
+    if key == "devices":
+      raise UsageError(
+        f"--strategy-option devices={text}: the devices come from --devices; give that instead"
+      )
     if key in config:
       raise UsageError(
         f"--strategy-option {key}={text}: {key} is already set by "

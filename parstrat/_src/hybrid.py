@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -436,6 +437,11 @@ class Hybrid(Strategy):
       _check_positive("exchange_every", self.exchange_every)
     if not isinstance(self.unroll, bool):
       raise ValueError(f"unroll must be True or False, got {self.unroll!r}.")
+    if self.cuts is not None and not (
+      isinstance(self.cuts, (tuple, list))
+      and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in self.cuts)
+    ):
+      raise ValueError(f"cuts must be a tuple of layer indices, got {self.cuts!r}.")
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
