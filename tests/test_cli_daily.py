@@ -76,6 +76,15 @@ def data(batch_size, seed):
   return train, [(x[:50], y[:50])]
 
 
+def sized(batch_size, seed):  # data()'s first ROWS rows, moved by SHIFT (environment variables)
+  train, evaluation = data(batch_size, seed)
+  rows, shift = int(os.environ.get("ROWS", 8 * batch_size)), float(os.environ.get("SHIFT", 0))
+  train = [(x[:rows] + shift, y[:rows])
+           for x, y in [tuple(np.concatenate(a) for a in zip(*train))]]
+  return [(x[i : i + batch_size], y[i : i + batch_size])
+          for x, y in train for i in range(0, len(x), batch_size)], evaluation
+
+
 def short_last(batch_size, seed):  # 4 batches an epoch, the last one half a batch
   train, evaluation = data(batch_size, seed)
   return train[:3] + [tuple(a[: batch_size // 2] for a in train[3])], evaluation
@@ -276,6 +285,22 @@ def test_a_resume_on_other_data_under_the_same_name_is_refused(tmp_path, capsys)
   err = " ".join(capsys.readouterr().err.split())
   assert ("data tfds fashion_mnist: 48 train, 48 eval -> tfds fashion_mnist: 36 train, 36 "
           "eval") in err, err  # fmt: skip
+
+
+def test_a_resume_on_a_dataset_functions_other_data_is_refused(tmp_path, monkeypatch, capsys):
+  # Only the function's name was recorded: 8 batches an epoch resumed on 4 carried on.
+  legs = ["--dataset", "mymodel:sized", "--model-fn", "mymodel:model", "--checkpoint-dir", "c"]
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "2") == 0
+  capsys.readouterr()
+  monkeypatch.setenv("ROWS", "32")  # 4 batches of 8
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 2
+  assert "data_batches_per_epoch 8 -> 4" in capsys.readouterr().err
+  monkeypatch.setenv("ROWS", "64")
+  monkeypatch.setenv("SHIFT", "1")  # 8 batches of other numbers
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 2
+  assert "data_first_example sha256 " in capsys.readouterr().err
+  monkeypatch.setenv("SHIFT", "0")  # the same 8 batches: resumes
+  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 0
 
 
 def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):

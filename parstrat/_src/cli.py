@@ -859,13 +859,17 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
           "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
+          "data_batches_per_epoch": data.steps_per_epoch,
+          "data_first_example": _data_fingerprint(data)["first example"],
           "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
 
 
 #: Changes to these need --allow-config-change on --resume. ("data" is what `dataset`
-#: turned out to be: `--source auto` reads MNIST from tfds, or the bundled sample offline.)
+#: turned out to be: `--source auto` reads MNIST from tfds, or the bundled sample offline;
+#: the batches per epoch and the first example tell a dataset function's other data.)
 GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "weight_decay",
-           "clip_norm", "precision", "dataset", "data", "model_fn")  # fmt: skip
+           "clip_norm", "precision", "dataset", "data", "data_batches_per_epoch",
+           "data_first_example", "model_fn")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
