@@ -115,6 +115,7 @@ def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path
     (["train", "--checkpoint-dir", "", "--overwrite"], "--checkpoint-dir is an empty path ('':"),
     (["train", "--out", " "], "--out is an empty path (' ':"),
     (["train", "--metrics", ""], "--metrics is an empty path"),
+    (["schedule", "--stages", "2", "--microbatches", "2", "--csv", ""], "--csv is an empty path"),
   ],
 )
 def test_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path, monkeypatch):
@@ -126,6 +127,16 @@ def test_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path, m
     return
   assert code == 2
   assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "run.toml").write_text('checkpoint-dir = ""\n')
+  assert cli.main(["train", "--config", "run.toml", "--overwrite"]) == 2
+  assert "run.toml: checkpoint-dir = '': --checkpoint-dir is an empty path" in (
+    capsys.readouterr().err
+  )
+  assert list(tmp_path.iterdir()) == [tmp_path / "run.toml"]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 import argparse
 import json
 import pathlib
+import re
 import shutil
 import struct
 import sys
@@ -287,20 +288,22 @@ def test_a_resume_on_other_data_under_the_same_name_is_refused(tmp_path, capsys)
           "eval") in err, err  # fmt: skip
 
 
-def test_a_resume_on_a_dataset_functions_other_data_is_refused(tmp_path, monkeypatch, capsys):
+def test_a_resume_on_a_dataset_functions_other_data_is_refused_or_named(
+  tmp_path, monkeypatch, capsys
+):
   # Only the function's name was recorded: 8 batches an epoch resumed on 4 carried on.
   legs = ["--dataset", "mymodel:sized", "--model-fn", "mymodel:model", "--checkpoint-dir", "c"]
   assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "2") == 0
   capsys.readouterr()
   monkeypatch.setenv("ROWS", "32")  # 4 batches of 8
   assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 2
-  assert "data_batches_per_epoch 8 -> 4" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "data_batches_per_epoch 8 -> 4" in err and "--allow-config-change" in err
+  # 8 batches of other numbers (or drawn without a seed): resumed, and the change printed.
   monkeypatch.setenv("ROWS", "64")
-  monkeypatch.setenv("SHIFT", "1")  # 8 batches of other numbers
-  assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 2
-  assert "data_first_example sha256 " in capsys.readouterr().err
-  monkeypatch.setenv("SHIFT", "0")  # the same 8 batches: resumes
+  monkeypatch.setenv("SHIFT", "1")
   assert _user_run(tmp_path, monkeypatch, *legs, "--steps", "4", "--resume") == 0
+  assert re.search(r"data_first_example sha256 \w+ -> sha256 \w+", capsys.readouterr().out)
 
 
 def test_compare_on_a_tfds_dataset_reports_the_devices_each_run_used(tmp_path, capsys):

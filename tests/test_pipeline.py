@@ -86,6 +86,15 @@ def test_balance_by_flops_and_manual_cuts():
   assert max(by_flops.stage_flops()) == by_flops.layers[0].flops
   manual = pipeline.plan_stages(_apply(DEEP_MLP), params, x, 3, cuts=(1, 7))
   assert manual.stage_layers == ((0,), tuple(range(1, 7)), (7,))
+  # The strategy takes cuts as any sequence of integers (a range, a NumPy array).
+  for cuts in (range(1, 8, 6), np.array([1, 7])):
+    trainer = parstrat.PipelineModelParallel(stages=3, cuts=cuts)(DEEP_MLP, optax.sgd(0.1))
+    trainer.init(jax.random.key(0), np.zeros((1, 784), np.float32))
+    rows = trainer.plan.description.splitlines()
+    assert rows[0] == "pipeline plan: 3 stages, cut by manual cut points"
+    assert [row.split()[-1] for row in rows[2:5]] == [
+      "mlp/~/linear_0", "mlp/~/linear_6", "mlp/~/linear_7"
+    ]  # fmt: skip
 
 
 def test_convolutions_count_their_multiply_adds():

@@ -578,6 +578,21 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   return merged
 
 
+def _check_not_empty(args: argparse.Namespace, key: str) -> None:
+  """Refuses an empty path for option `key` (an unset shell variable: nothing would be written).
+
+  Raises:
+    UsageError: naming the flag, or the config file that set it.
+  """
+  value = getattr(args, key)
+  if value is not None and not str(value).strip():
+    flag = "--" + key.replace("_", "-")
+    raise _bad_option(
+      args, key, f"{flag} is an empty path ({value!r}: an unset variable?); give one, or leave "
+      "the flag out"
+    )  # fmt: skip
+
+
 def _bad_option(args: argparse.Namespace, key: str, message: str) -> UsageError:
   """The error for a bad value of option `key`, naming the config file where it was set."""
   if key in getattr(args, "from_config", ()):
@@ -780,12 +795,8 @@ def _check_paths(args: argparse.Namespace) -> None:
       missing or unwritable directory, or a non-empty checkpoint directory
       without `--resume` or `--overwrite`.
   """
-  for flag in ("--checkpoint-dir", "--out", "--metrics", "--data-dir"):
-    value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-    if value is not None and not str(value).strip():
-      raise UsageError(
-        f"{flag} is an empty path ({value!r}: an unset variable?); give one, or leave the flag out"
-      )
+  for key in ("checkpoint_dir", "out", "metrics", "data_dir"):
+    _check_not_empty(args, key)
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
   if given == ["--overwrite"] and args.out is not None:
@@ -860,16 +871,17 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
           "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
           "data_batches_per_epoch": data.steps_per_epoch,
-          "data_first_example": _data_fingerprint(data)["first example"],
+          "data_first_example": data.example_hash,
           "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
 
 
 #: Changes to these need --allow-config-change on --resume. ("data" is what `dataset`
 #: turned out to be: `--source auto` reads MNIST from tfds, or the bundled sample offline;
-#: the batches per epoch and the first example tell a dataset function's other data.)
+#: the batches per epoch of data with a length tell a dataset function's other data; its
+#: first example may differ legitimately, e.g. drawn without a seed, so that is printed.)
 GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "weight_decay",
            "clip_norm", "precision", "dataset", "data", "data_batches_per_epoch",
-           "data_first_example", "model_fn")  # fmt: skip
+           "model_fn")  # fmt: skip
 
 
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
@@ -927,9 +939,10 @@ def _check_model_options(strategy, options: dict) -> None:
 
   parameters = inspect.signature(strategy.__call__).parameters
   takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+  kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
   takes = sorted(
     name for name, p in parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _OPTION_FLAGS
+    if p.kind in kinds and name not in (*_OPTION_FLAGS, "self", "model")
   )  # fmt: skip
   for key in options:
     if key in _OPTION_FLAGS:
@@ -942,7 +955,7 @@ def _check_model_options(strategy, options: dict) -> None:
       raise UsageError(
         f"--model-fn returned {key!r} in its dict, which the trainer does not take"
         + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f"; it takes {', '.join(takes)}"
+        + f"; it takes {', '.join(takes) or 'none'}"
       )
 
 
@@ -1268,20 +1281,10 @@ def _data_fingerprint(data) -> dict[str, str]:
     Its description, batches per epoch and a hash of its first example (shapes,
     dtypes and bytes), as texts for `distributed.check_same_everywhere`.
   """
-  import hashlib
-
-  import jax
-  import numpy as np
-
-  example = hashlib.sha256()
-  for leaf in jax.tree.leaves(data.example):
-    leaf = np.asarray(leaf)
-    example.update(f"{leaf.shape} {leaf.dtype}".encode())
-    example.update(np.ascontiguousarray(leaf).tobytes())
   return {
     "description": data.description,
     "batches per epoch": str(data.steps_per_epoch),
-    "first example": f"sha256 {example.hexdigest()[:16]}",
+    "first example": data.example_hash,
   }
 
 
@@ -1706,6 +1709,8 @@ def schedule(args: argparse.Namespace) -> None:
   except ValueError as e:
     raise UsageError(str(e)) from None
   # The files first: a reader that stops early (`| head`) must not cost them.
+  for key in ("out", "csv"):
+    _check_not_empty(args, key)
   wrote = []
   if args.out:
     from parstrat._src.pipeline import drawing

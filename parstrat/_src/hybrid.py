@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -425,6 +425,21 @@ class Hybrid(Strategy):
       return self.data, n // self.data
     return default_split(n)
 
+  def _cuts(self) -> tuple[int, ...] | None:
+    """`cuts` as a tuple of ints (a list, range or NumPy array of them is fine).
+
+    Raises:
+      ValueError: if `cuts` is not a sequence of integers.
+    """
+    if self.cuts is None:
+      return None
+    try:
+      if isinstance(self.cuts, (str, bytes)) or any(isinstance(c, bool) for c in self.cuts):
+        raise TypeError
+      return tuple(operator.index(c) for c in self.cuts)
+    except TypeError:
+      raise ValueError(f"cuts must be a tuple of layer indices, got {self.cuts!r}.") from None
+
   def _microbatches(self, stages: int) -> int:
     """M after the default: the given schedule's M, else one per stage."""
     return self.microbatches or getattr(self.schedule, "microbatches", stages)
@@ -437,11 +452,7 @@ class Hybrid(Strategy):
       _check_positive("exchange_every", self.exchange_every)
     if not isinstance(self.unroll, bool):
       raise ValueError(f"unroll must be True or False, got {self.unroll!r}.")
-    if self.cuts is not None and not (
-      isinstance(self.cuts, (tuple, list))
-      and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in self.cuts)
-    ):
-      raise ValueError(f"cuts must be a tuple of layer indices, got {self.cuts!r}.")
+    self._cuts()
     data, stages = self.resolved_split()
     _check_positive("stages", stages)
     if self.microbatches is not None:
@@ -474,7 +485,7 @@ class Hybrid(Strategy):
       microbatches=self._microbatches(stages),
       schedule=self.schedule,
       balance=self.balance,
-      cuts=self.cuts,
+      cuts=self._cuts(),
       bubble_value=self.bubble_value,
       mesh=mesh,
       virtual_stages=self.virtual_stages,

@@ -7,6 +7,7 @@ Every source becomes a `RunData`: global batches per epoch, passed to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Callable
@@ -46,6 +47,20 @@ class RunData:
   example: Any
   num_classes: int | None = None
   one_shot: bool = False
+
+  @functools.cached_property
+  def example_hash(self) -> str:
+    """A hash of `example`'s shapes, dtypes and bytes (`"sha256 <16 hex digits>"`), once."""
+    import hashlib
+
+    import jax
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(self.example):
+      leaf = np.asarray(leaf)
+      digest.update(f"{leaf.shape} {leaf.dtype}".encode())
+      digest.update(np.ascontiguousarray(leaf).tobytes())
+    return f"sha256 {digest.hexdigest()[:16]}"
 
   def sample_inputs(self, model_inputs: Callable[[Any], Any] | None = None) -> Any:
     """The model inputs of `example`, for `trainer.init`: `model_inputs(example)` when
