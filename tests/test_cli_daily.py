@@ -769,7 +769,7 @@ def test_a_model_fns_dict_keys_the_trainer_does_not_take_are_named(tmp_path, mon
     ("with_precision", "--model-fn returned 'precision' in its dict: on the command line it "
                        "comes from --precision"),
     ("with_a_typo", "--model-fn returned 'loss_fun' in its dict, which the trainer does not "
-                    "take (did you mean 'loss_fn'?); it takes loss_fn, model_inputs"),
+                    "take (it takes loss_fn, model_inputs); did you mean 'loss_fn'?"),
   ]:  # fmt: skip
     flags = ["--model-fn", f"mymodel:{name}", "--dataset", "mymodel:data"]
     assert _user_run(tmp_path, monkeypatch, *flags) == 2

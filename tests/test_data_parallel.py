@@ -57,20 +57,22 @@ def test_apply_and_params_match_the_plain_model():
   )
 
 
+def _one_copy_moved(x, by, index=-1):
+  """`x`, a replicated array, with its copy on device `index` moved by `by`."""
+  copies = [shard.data for shard in x.addressable_shards]
+  copies[index] = copies[index] + by
+  return jax.make_array_from_single_device_arrays(x.shape, x.sharding, copies)
+
+
+def _with_layer_0(params, **leaves):
+  """`params` with leaves of layer "mlp/~/linear_0" replaced."""
+  return {**params, "mlp/~/linear_0": {**params["mlp/~/linear_0"], **leaves}}
+
+
 def test_corrupted_replica_is_caught():
   _, state, _ = _trained()
-  w = state.params["mlp/~/linear_0"]["w"]
-  shards = [np.asarray(s.data) for s in w.addressable_shards]
-  shards[3] = shards[3].copy()
-  shards[3][0, 0] += 1e-3
-  bad = jax.make_array_from_single_device_arrays(
-    w.shape,
-    w.sharding,
-    [jax.device_put(a, s.device) for a, s in zip(shards, w.addressable_shards, strict=True)],
-  )
-  corrupted = state._replace(
-    params={**state.params, "mlp/~/linear_0": {"b": state.params["mlp/~/linear_0"]["b"], "w": bad}}
-  )
+  bad = _one_copy_moved(state.params["mlp/~/linear_0"]["w"], 1e-3, index=3)
+  corrupted = state._replace(params=_with_layer_0(state.params, w=bad))
   with pytest.raises(
     AssertionError,
     match=r"Replicas of .*linear_0.*\['w'\] differ.*TFRT_CPU_3|Replicas of .*linear_0.*w.* differ",
@@ -86,15 +88,6 @@ class _GradientsNotAveraged(parstrat.DataParallel):
     return dataclasses.replace(super().make_plan(*args, **kwargs), reduce=lambda pair: pair)
 
 
-def _one_replica_changed(params):
-  """`params` with the first leaf's copy on the last device moved by 1."""
-  (first, *rest), treedef = jax.tree.flatten(params)
-  copies = [shard.data for shard in first.addressable_shards]
-  copies[-1] = copies[-1] + 1
-  changed = jax.make_array_from_single_device_arrays(first.shape, first.sharding, copies)
-  return jax.tree.unflatten(treedef, [changed, *rest])
-
-
 def test_debug_option_checks_replicas_every_step():
   images, labels = parstrat.testing.random_batches(2, 16)
   trainer = parstrat.DataParallel(data=4, debug=True)(SEED_MLP, optax.sgd(0.1))
@@ -103,7 +96,8 @@ def test_debug_option_checks_replicas_every_step():
     state, metrics = trainer.step(state, (x, y))
   assert np.isfinite(float(metrics["loss"]))
   # Replicas made to differ after a few steps: the next step, not only the first, checks.
-  state = state._replace(params=_one_replica_changed(state.params))
+  b = _one_copy_moved(state.params["mlp/~/linear_0"]["b"], 1)
+  state = state._replace(params=_with_layer_0(state.params, b=b))
   with pytest.raises(
     AssertionError, match=r"Replicas of \.params\['mlp/~/linear_0'\]\['b'\] differ"
   ):

@@ -934,8 +934,9 @@ def _check_model_options(strategy, options: dict) -> None:
     UsageError: for a key the command line sets from a flag (naming the flag),
       or one `strategy(model, optimizer, ...)` does not take (naming those it does).
   """
-  import difflib
   import inspect
+
+  from parstrat._src import config
 
   parameters = inspect.signature(strategy.__call__).parameters
   takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
@@ -951,11 +952,9 @@ def _check_model_options(strategy, options: dict) -> None:
         f"{_OPTION_FLAGS[key]}"
       )
     if not takes_any and key not in parameters:
-      close = difflib.get_close_matches(key, takes, n=1)
       raise UsageError(
-        f"--model-fn returned {key!r} in its dict, which the trainer does not take"
-        + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f"; it takes {', '.join(takes) or 'none'}"
+        f"--model-fn returned {key!r} in its dict, which the trainer does not take (it takes "
+        f"{', '.join(takes) or 'none'}){config.did_you_mean(key, takes)}"
       )
 
 
