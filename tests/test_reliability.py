@@ -30,6 +30,7 @@ from parstrat._src import datasets
 from parstrat._src import optimizers
 from parstrat._src.history import History
 from parstrat._src.history import read_history
+from parstrat.checkpoint import CheckpointDoesNotFit
 from parstrat.checkpoint import Checkpointer
 from parstrat.checkpoint import CheckpointError
 from parstrat.checkpoint import CheckpointWarning
@@ -533,7 +534,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_orbax_reads_it(
 
   monkeypatch.setattr(ocp.CheckpointManager, "restore", never)
   with Checkpointer(tmp_path) as ckpt:
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(CheckpointDoesNotFit, match=re.escape(
       "The checkpoint at step 1 does not fit this model: params['mlp/~/linear_1']['b']: "
       "shape (10,), expected (7,).")):  # fmt: skip
       ckpt.restore(other)
@@ -768,3 +769,27 @@ def test_import_state_names_the_first_leaf_that_does_not_fit(trainer):
     "The saved params do not fit this model: params['mlp/~/linear_0']['b'] is missing "
     "(expected shape (16,)).")):  # fmt: skip
     trainer.import_state(exported)
+
+
+@pytest.mark.parametrize(
+  "optimizer, problem",
+  [  # other leaves; Adam's leaves in another tree (adamw's extra EmptyState)
+    (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, 0.9)), "opt_state[1][0]['trace']"),
+    (
+      optax.adamw(1e-2),
+      "its leaves fit but its tree does not: (ScaleByAdamState, "
+      "EmptyState), expected (ScaleByAdamState, EmptyState, EmptyState)",
+    ),
+  ],
+)
+def test_import_state_names_another_optimizers_state(trainer, optimizer, problem):
+  other = parstrat.DataParallel(data=2)(MODEL, optimizer)
+  other.init(jax.random.key(0), X[:1])
+  exported = trainer.export_state(trainer.initial)
+  with pytest.raises(ValueError, match=re.escape(
+    "The saved optimizer state does not fit this trainer's optimizer (another optimizer, "
+    f"clipping or weight decay?): {problem}")) as info:  # fmt: skip
+    other.import_state(exported)
+  assert 'without its "opt_state"' in str(info.value)
+  fresh = other.import_state({**exported, "opt_state": None})  # what the message offers
+  assert int(fresh.step) == 0

@@ -1657,7 +1657,9 @@ class Trainer:
     learning-rate schedule, and Adam's bias correction, start from step 0).
 
     Raises:
-      ValueError: if its params, rng or model state do not match this trainer's.
+      ValueError: if its params, rng, model state or optimizer state do not
+        match this trainer's (the optimizer state of another optimizer, or of
+        clipping or weight decay switched on or off, is named as such).
     """
     plan = self.plan
     params = exported["params"]
@@ -1673,6 +1675,8 @@ class Trainer:
       raise ValueError(f"The saved state does not fit this model: {mismatch}.")
 
     fresh = exported.get("opt_state") is None
+    if not fresh:
+      self._check_opt_state(exported["opt_state"], expected)
 
     def place(exported):
       stored = plan.to_stored(exported["params"])
@@ -1700,6 +1704,27 @@ class Trainer:
 
     exported = jax.tree.map(reachable, exported)
     return jax.jit(place, out_shardings=self._state_shardings)(exported)
+
+  def _check_opt_state(self, opt_state: Any, params: Any) -> None:
+    """Raises ValueError, naming the difference, for another optimizer's state."""
+    expected = jax.eval_shape(self.optimizer.init, params)
+    problem = trees.first_mismatch({"opt_state": opt_state}, {"opt_state": expected})
+    if problem is None and jax.tree.structure(opt_state) != jax.tree.structure(expected):
+
+      def outline(tree):  # e.g. (ScaleByAdamState, EmptyState): a chain's states
+        if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+          return f"({', '.join(type(part).__name__ for part in tree)})"
+        return type(tree).__name__
+
+      problem = (
+        f"its leaves fit but its tree does not: {outline(opt_state)}, expected {outline(expected)}"
+      )
+    if problem is not None:
+      raise ValueError(
+        "The saved optimizer state does not fit this trainer's optimizer (another optimizer, "
+        f'clipping or weight decay?): {problem}. Import the state without its "opt_state" '
+        "(or with None there) to start the optimizer anew from the saved params."
+      )
 
   # ----------------------------------------------------------------- params
   @functools.cached_property
