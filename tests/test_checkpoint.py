@@ -187,6 +187,24 @@ def test_keeps_the_last_n(tmp_path):
     Checkpointer(tmp_path, save_every=0)
 
 
+def test_the_writer_deletes_the_folders_of_saves_that_never_finished(tmp_path):
+  images, _ = parstrat.testing.random_batches(1, 8, features=20)
+  trainer = parstrat.DataParallel(data=2)(MODEL, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  with Checkpointer(tmp_path) as ckpt:
+    ckpt.save(trainer, state, {}, step=1)
+  unfinished = tmp_path / "2.orbax-checkpoint-tmp-1765000000"  # (a save killed midway)
+  (unfinished / "state").mkdir(parents=True)
+  (unfinished / "state" / "part").write_bytes(b"x" * 1000)
+  with Checkpointer(tmp_path) as reader:  # (a reader leaves a running save's folder)
+    reader.restore(trainer)
+  assert unfinished.is_dir()
+  with Checkpointer(tmp_path, clean_unfinished=True) as writer:
+    writer.save(trainer, state, {}, step=3)
+    assert writer.all_steps() == [1, 3]
+  assert not unfinished.exists()
+
+
 def _newest(directory) -> int:
   steps = [int(p.name) for p in directory.glob("*") if p.name.isdigit()]
   return max(steps, default=0)

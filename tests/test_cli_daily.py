@@ -18,6 +18,7 @@ from parstrat._src import cli
 from parstrat._src import config
 from parstrat._src import optimizers
 from parstrat._src import run_data
+from parstrat.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -613,6 +614,15 @@ import parstrat
 class MyDataParallel(parstrat.DataParallel):
   hosts: int = 1
   overlap: bool = False
+
+
+@parstrat.register("my_fixed_loss")
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class MyFixedLoss(parstrat.DataParallel):  # takes no loss_fn or model_inputs
+  def __call__(self, model, optimizer, *, skip_nonfinite=True, precision=None, accumulate=1):
+    return super().__call__(
+      model, optimizer, skip_nonfinite=skip_nonfinite, precision=precision, accumulate=accumulate
+    )
 """
 
 
@@ -660,8 +670,16 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
     with pytest.raises(SystemExit, match="2"):
       _user_run(tmp_path, monkeypatch, "--strategy-option", "hosts")
     assert "expected KEY=VALUE (e.g. hosts=4), got 'hosts'" in capsys.readouterr().err
+    # A --model-fn's loss_fn that a later strategy of --compare does not take is refused
+    # before the first strategy trains (it was refused after).
+    assert _user_run(tmp_path, monkeypatch, *mine[:4], "--import", "mystrategies", "--out",
+                     "cmp", "--compare", "data_parallel,my_fixed_loss") == 2  # fmt: skip
+    assert "--model-fn returned 'loss_fn' in its dict, which the trainer does not take (it " \
+      "takes none)" in capsys.readouterr().err  # fmt: skip
+    assert not (tmp_path / "cmp" / "data_parallel" / "metrics.jsonl").exists()
   finally:
     parstrat.unregister("my_data_parallel")
+    parstrat.unregister("my_fixed_loss")
     sys.modules.pop("mystrategies", None)
 
 
@@ -830,6 +848,46 @@ def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
   shutil.rmtree(tmp_path / "ckpt")
   (tmp_path / "ckpt" / "another_run" / "2").mkdir(parents=True)
   assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 2
+
+
+def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
+  tmp_path, monkeypatch, capsys
+):
+  # A job its scheduler restarts runs one command every time: `--resume` refused its
+  # first leg ("no checkpoint"), and after a leg killed before its first checkpoint a
+  # fresh run was refused too ("not empty": the killed leg's metrics).
+  def rows(out):
+    lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
+
+  flags = ["--model-fn", "mymodel:model", "--dataset", "mymodel:data", "--log-every", "1"]
+  assert _user_run(tmp_path, monkeypatch, *flags, "--steps", "6", "--out", "straight") == 0
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "metrics.jsonl").write_text('{"step": 1, "loss": 123.0}\n')
+  job = [*flags, "--checkpoint-dir", "ckpt", "--resume-if-exists"]
+  capsys.readouterr()
+  assert _user_run(tmp_path, monkeypatch, *job, "--steps", "3") == 0
+  assert "--resume-if-exists: no checkpoint in ckpt: data_parallel starts" in (
+    capsys.readouterr().out.splitlines()
+  )
+  assert rows("ckpt") == rows("straight")[:3]  # (the killed leg's rows replaced)
+  unfinished = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1765000000"  # (killed in a save)
+  unfinished.mkdir()
+  assert _user_run(tmp_path, monkeypatch, *job, "--steps", "6") == 0
+  assert not unfinished.exists()  # (train deletes what a killed save left)
+  with Checkpointer(tmp_path / "ckpt") as ckpt:  # (not shuffled by us)
+    assert ckpt.metadata()["config"]["data_order"] == "as the dataset function gives it"
+  assert "resumed from" in capsys.readouterr().out
+  assert rows("ckpt") == rows("straight")
+  for clash, why in [
+    ("--resume", "it resumes where there is a checkpoint: drop --resume"),
+    ("--overwrite", "it continues the checkpoints that --overwrite would delete: pick one"),
+    ("--fresh-optimizer", "the optimizer would start anew at every leg's resume"),
+  ]:
+    assert _user_run(tmp_path, monkeypatch, *job, clash) == 2
+    assert f"--resume-if-exists with {clash}: {why}" in capsys.readouterr().err
+  assert _user_run(tmp_path, monkeypatch, *flags, "--resume-if-exists") == 2
+  assert "--resume-if-exists needs --checkpoint-dir" in capsys.readouterr().err
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

@@ -38,11 +38,14 @@ class CheckpointError(Exception):
   """No checkpoint could be restored: every one is damaged or unreadable."""
 
 
-class _DoesNotFit(ValueError):
-  """The saved tree differs from the trainer's (raised before orbax reads an array)."""
+class CheckpointDoesNotFit(ValueError):
+  """The saved tree differs from the trainer's (raised before orbax reads an array).
+
+  Another model, or (as its subclass `OptimizerDoesNotFit`) another optimizer.
+  """
 
 
-class OptimizerDoesNotFit(_DoesNotFit):
+class OptimizerDoesNotFit(CheckpointDoesNotFit):
   """The saved params fit the trainer's model, its optimizer state does not.
 
   Another optimizer, or clipping or weight decay switched on or off, gives the
@@ -96,12 +99,18 @@ class Checkpointer:
   is skipped with one `CheckpointWarning` line and the newest intact one is
   restored instead. Before orbax reads any array, the saved tree (orbax's own
   metadata: every leaf's shape) is compared with the trainer's, and a model
-  that does not fit is a `ValueError` naming the first leaf that differs.
+  that does not fit is a `CheckpointDoesNotFit` (a `ValueError`) naming the
+  first leaf that differs.
 
   Args:
     directory: where the checkpoints live (created if missing).
     save_every: save when `step % save_every == 0` (and whenever `force=True`).
     keep: how many of the newest checkpoints to keep.
+    clean_unfinished: delete the temporary folders of saves that never
+      finished (a process killed during a save leaves one, as large as a
+      checkpoint), before this object's first save. Only for the run that
+      writes `directory`: a reader's would delete a running save's folder.
+      `parstrat train` sets it.
 
   Example:
     >>> import tempfile, haiku as hk, jax, jax.numpy as jnp, optax, parstrat
@@ -116,7 +125,14 @@ class Checkpointer:
     (0, {'epoch': 0})
   """
 
-  def __init__(self, directory: str | pathlib.Path, *, save_every: int = 1, keep: int = 3):
+  def __init__(
+    self,
+    directory: str | pathlib.Path,
+    *,
+    save_every: int = 1,
+    keep: int = 3,
+    clean_unfinished: bool = False,
+  ):
     if save_every < 1 or keep < 1:
       raise ValueError(f"save_every and keep must be >= 1, got {save_every} and {keep}.")
     self.directory = pathlib.Path(directory).absolute()
@@ -137,6 +153,7 @@ class Checkpointer:
         max_to_keep=keep,
         enable_async_checkpointing=False,
         create=True,
+        cleanup_tmp_directories=clean_unfinished,
       ),
     )
 
@@ -334,9 +351,10 @@ class Checkpointer:
 
     Raises:
       FileNotFoundError: if there is no checkpoint.
-      ValueError: if the saved state does not fit this trainer's model (named
-        by the first leaf that differs; checked before reading any array), or
-        its optimizer state does not fit `trainer`'s (unless `fresh_optimizer`).
+      CheckpointDoesNotFit: (a ValueError) if the saved state does not fit
+        this trainer's model (named by the first leaf that differs; checked
+        before reading any array), or, as `OptimizerDoesNotFit`, its
+        optimizer state does not fit `trainer`'s (unless `fresh_optimizer`).
       CheckpointError: if no checkpoint can be restored (or the given `step`
         is damaged).
     """
@@ -358,7 +376,7 @@ class Checkpointer:
         try:
           with _quiet_orbax_callbacks_after_a_failed_read():
             restored = self._restore(candidate, template, abstract, fresh_optimizer)
-        except _DoesNotFit:
+        except CheckpointDoesNotFit:
           raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
           first = first_line(e)
@@ -411,7 +429,9 @@ class Checkpointer:
       {"params": saved.tree.get("params")}, {"params": template["params"]}
     )
     if mismatch is not None:
-      raise _DoesNotFit(f"The checkpoint at step {step} does not fit this model: {mismatch}.")
+      raise CheckpointDoesNotFit(
+        f"The checkpoint at step {step} does not fit this model: {mismatch}."
+      )
     saved_tree = saved.tree
     if fresh_optimizer:  # compared and read without the optimizer state
       saved_tree, template, abstract = (
@@ -428,7 +448,7 @@ class Checkpointer:
           f"The checkpoint at step {step} fits this model's params but not this trainer's "
           f"optimizer (another optimizer, clipping or weight decay?): {mismatch}."
         )
-      raise _DoesNotFit(
+      raise CheckpointDoesNotFit(
         f"The checkpoint at step {step} fits this model's params but not this trainer's "
         f"training state: {mismatch}."
       )

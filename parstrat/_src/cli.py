@@ -424,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     help="continue from the newest checkpoint in --checkpoint-dir",
   )
   train.add_argument(
+    "--resume-if-exists",
+    action=argparse.BooleanOptionalAction,
+    default=False,
+    help="--resume where --checkpoint-dir holds a checkpoint, else start there afresh: for a "
+    "job its scheduler restarts with the same command (preempted, requeued)",
+  )
+  train.add_argument(
     "--overwrite",
     action=argparse.BooleanOptionalAction,
     default=False,
@@ -797,6 +804,8 @@ def _check_paths(args: argparse.Namespace) -> None:
   """
   for key in ("checkpoint_dir", "out", "metrics", "data_dir"):
     _check_not_empty(args, key)
+  if args.resume_if_exists:
+    _resolve_resume_if_exists(args)
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
   if given == ["--overwrite"] and args.out is not None:
@@ -840,6 +849,37 @@ def _check_paths(args: argparse.Namespace) -> None:
     _check_writable_dir(path.parent, "--metrics")
 
 
+def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
+  """Turns `--resume-if-exists` into `--resume`, or where no checkpoint is, `--overwrite`.
+
+  A leg killed before its first checkpoint leaves at most its metrics (and
+  event files, a report): the run starts afresh over them, as `--overwrite`
+  would, with no checkpoint to delete.
+
+  Raises:
+    UsageError: without `--checkpoint-dir`, or with `--resume`, `--overwrite`
+      or `--fresh-optimizer` (which would start the optimizer anew at every
+      leg's resume).
+  """
+  clashes = {
+    "--resume": "it resumes where there is a checkpoint: drop --resume",
+    "--overwrite": "it continues the checkpoints that --overwrite would delete: pick one",
+    "--fresh-optimizer": "the optimizer would start anew at every leg's resume: resume "
+    "once with --resume --fresh-optimizer",
+  }
+  for flag, why in clashes.items():
+    if getattr(args, flag[2:].replace("-", "_")):
+      raise UsageError(f"--resume-if-exists with {flag}: {why}")
+  if args.checkpoint_dir is None:
+    raise UsageError("--resume-if-exists needs --checkpoint-dir")
+  directory = pathlib.Path(args.checkpoint_dir)
+  runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
+  if any(_holds_checkpoints(run) for run in runs):
+    args.resume = True
+  else:
+    args.overwrite = True
+
+
 def _holds_checkpoints(path: pathlib.Path) -> bool:
   """Whether `path` holds a checkpoint's step folder (complete or not)."""
   return path.is_dir() and any(c.name.isdigit() and c.is_dir() for c in path.iterdir())
@@ -872,7 +912,7 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
           "data_batches_per_epoch": data.steps_per_epoch,
           "data_first_example": data.example_hash,
-          "data_order": "shuffled per epoch by (seed, epoch)"}  # fmt: skip
+          "data_order": data.order}  # fmt: skip
 
 
 #: Changes to these need --allow-config-change on --resume. ("data" is what `dataset`
@@ -938,7 +978,10 @@ def _check_model_options(strategy, options: dict) -> None:
 
   from parstrat._src import config
 
-  parameters = inspect.signature(strategy.__call__).parameters
+  try:
+    parameters = inspect.signature(strategy.__call__).parameters
+  except (TypeError, ValueError):  # (no signature to read: the strategy's call decides)
+    return
   takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
   kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
   takes = sorted(
@@ -982,12 +1025,16 @@ def _open_checkpoints(args, strategy, trainer, say, data):
   directory = pathlib.Path(args.checkpoint_dir)
   if args.compare:
     directory = directory / strategy_name(strategy)
-  ckpt = Checkpointer(directory, save_every=args.save_every or 10**9, keep=args.keep or 3)
+  ckpt = Checkpointer(
+    directory, save_every=args.save_every or 10**9, keep=args.keep or 3, clean_unfinished=True
+  )
   try:
     if args.overwrite and ckpt.all_steps():
       say(f"--overwrite: deleting checkpoints {ckpt.all_steps()} in {directory}")
       for old in ckpt.all_steps():
         ckpt.delete(old)
+    if args.resume_if_exists and not args.resume:
+      say(f"--resume-if-exists: no checkpoint in {directory}: {strategy_name(strategy)} starts")
     if not args.resume:
       return ckpt, None, None
     if ckpt.latest_step() is None:
@@ -1241,6 +1288,8 @@ def train(args: argparse.Namespace) -> dict:
       "generator): the first strategy would use it up and the others train on nothing. "
       "Return a list, an object whose __iter__ starts over, or a function of the epoch."
     )
+  for strategy in strategies.values():  # (all before --compare trains the first)
+    _check_model_options(strategy, model_options or {})
   # The report goes next to the checkpoints unless --out says otherwise.
   out_dir = args.out or args.checkpoint_dir
   out = pathlib.Path(out_dir) if out_dir else None
@@ -1367,7 +1416,6 @@ def _train_one(
   from parstrat._src.history import History
 
   optimizer, lr_schedule = _optimizer(args, data)
-  _check_model_options(strategy, model_options or {})
   try:
     trainer = strategy(
       model,

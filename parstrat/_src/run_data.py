@@ -38,6 +38,7 @@ class RunData:
     num_classes: the label count when known (the default MLP's output width).
     one_shot: the train data can be read once in all (a generator), not once
       per epoch (or per strategy of `--compare`).
+    order: how the batches are ordered, as checkpoints record it.
   """
 
   description: str
@@ -47,6 +48,7 @@ class RunData:
   example: Any
   num_classes: int | None = None
   one_shot: bool = False
+  order: str = "shuffled per epoch by (seed, epoch)"
 
   @functools.cached_property
   def example_hash(self) -> str:
@@ -251,6 +253,7 @@ def from_function(spec: str, *, batch_size: int, seed: int) -> RunData:
     eval_batches=(lambda: evaluation) if evaluation is not None else None,
     example=_first_example(first),
     one_shot=one_shot,
+    order="as the dataset function gives it",
   )
 
 
