@@ -826,7 +826,10 @@ def _check_paths(args: argparse.Namespace) -> None:
     _check_writable_dir(directory, "--checkpoint-dir")
     runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
     if args.resume and not any(_holds_checkpoints(run) for run in runs):
-      raise UsageError(f"--resume: no checkpoint in {directory}")  # (nothing created)
+      raise UsageError(  # (nothing created)
+        f"--resume: no checkpoint in {directory} (--resume-if-exists starts there when there "
+        "is none, as a job restarted with the same command needs)"
+      )
     if directory.is_dir() and any(directory.iterdir()) and not (args.resume or args.overwrite):
       raise UsageError(
         f"--checkpoint-dir {directory} is not empty (another run?): pass --resume to continue "
