@@ -88,9 +88,13 @@ def test_resume_errors_are_one_line(tmp_path, capsys):
 
   flags = [*TRAIN, "--checkpoint-dir"]
   assert cli.main([*flags, str(tmp_path / "none"), "--resume"]) == 2
-  assert capsys.readouterr().err.strip().endswith(
-    "--resume: no checkpoint in " + str(tmp_path / "none") + " (--resume-if-exists starts "
-    "there when there is none, as a job restarted with the same command needs)"
+  assert (
+    capsys.readouterr()
+    .err.strip()
+    .endswith(
+      "--resume: no checkpoint in " + str(tmp_path / "none") + " (--resume-if-exists starts "
+      "there when there is none, as a job restarted with the same command needs)"
+    )
   )
   assert cli.main([*flags, str(tmp_path / "c"), "--steps", "2"]) == 0
   capsys.readouterr()

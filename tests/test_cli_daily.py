@@ -17,6 +17,7 @@ import parstrat
 from parstrat._src import cli
 from parstrat._src import config
 from parstrat._src import optimizers
+from parstrat._src import report
 from parstrat._src import run_data
 from parstrat.checkpoint import Checkpointer
 
@@ -837,12 +838,20 @@ def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
   flags = ["--model-fn", "mymodel:model", "--dataset", "mymodel:data", "--compare",
            "data_parallel,fsdp", "--checkpoint-dir", "ckpt", "--save-every", "1"]  # fmt: skip
   assert _user_run(tmp_path, monkeypatch, *flags) == 0
-  shutil.rmtree(tmp_path / "ckpt" / "fsdp")  # as if stopped during data_parallel
+  for step in (tmp_path / "ckpt" / "fsdp").iterdir():  # as if stopped before fsdp's first
+    if step.name.isdigit():  # checkpoint: its metrics and curves stay
+      shutil.rmtree(step)
   capsys.readouterr()
+  drawn = {}
+  monkeypatch.setattr(report, "draw_training_report", lambda runs, path: drawn.update(runs))
   assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 0
   out = capsys.readouterr().out
   assert "--resume: no checkpoint in ckpt/fsdp yet: fsdp starts" in out
   assert sorted(p.name for p in (tmp_path / "ckpt" / "fsdp").iterdir() if p.name.isdigit())
+  # The stopped leg's curves went (TensorBoard showed both); the picture drawn again
+  # still has the complete strategy's (it had none of them).
+  assert len(list((tmp_path / "ckpt" / "fsdp").glob("events.out.tfevents.*"))) == 1
+  assert [r["step"] for r in drawn["data_parallel"] if "loss" in r] == [1, 2]
   # Without a checkpoint of any of its strategies there is nothing to resume (another
   # run's checkpoints in the same folder do not count).
   shutil.rmtree(tmp_path / "ckpt")
@@ -888,6 +897,24 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
     assert f"--resume-if-exists with {clash}: {why}" in capsys.readouterr().err
   assert _user_run(tmp_path, monkeypatch, *flags, "--resume-if-exists") == 2
   assert "--resume-if-exists needs --checkpoint-dir" in capsys.readouterr().err
+  # A folder that holds what no stopped leg leaves is another run's, or not a run's.
+  for foreign in ("notes.txt", "my.orbax-checkpoint-tmp-backup"):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "metrics.jsonl").write_text("")
+    (tmp_path / "other" / foreign).mkdir()
+    assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "other",
+                     "--resume-if-exists") == 2  # fmt: skip
+    assert (
+      f"--resume-if-exists: --checkpoint-dir other holds no checkpoint but other/{foreign} "
+      "(another run?)" in capsys.readouterr().err
+    )
+    shutil.rmtree(tmp_path / "other")
+  # A stop tells the job to run its command again (adding --resume is refused with it).
+  stopped = [*flags, "--checkpoint-dir", "stopped", "--resume-if-exists", "--steps", "8",
+             "--dataset", "mymodel:ctrl_c_at_the_4th"]  # fmt: skip
+  assert _user_run(tmp_path, monkeypatch, *stopped) == 130
+  assert "after the step: checkpoint saved in" in (err := capsys.readouterr().err)
+  assert err.strip().endswith("; run the same command again"), err
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

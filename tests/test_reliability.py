@@ -793,3 +793,29 @@ def test_import_state_names_another_optimizers_state(trainer, optimizer, problem
   assert 'without its "opt_state"' in str(info.value)
   fresh = other.import_state({**exported, "opt_state": None})  # what the message offers
   assert int(fresh.step) == 0
+
+
+def test_import_state_names_a_state_read_without_its_tree_and_moves_an_optimizer_key(trainer):
+  def plain(tree):  # what orbax gives without a target tree: dicts and lists
+    if hasattr(tree, "_fields"):
+      return {field: plain(getattr(tree, field)) for field in tree._fields} or None
+    if isinstance(tree, (list, tuple)):
+      return [plain(part) for part in tree]
+    return {k: plain(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+  exported = trainer.export_state(trainer.initial)
+  with pytest.raises(ValueError, match=re.escape(
+    "The saved optimizer state has this trainer's leaves in plain dicts and lists ((dict, "
+    "NoneType), expected (ScaleByAdamState, EmptyState)), as orbax reads a checkpoint without "
+    "a target tree")):  # fmt: skip
+    trainer.import_state({**exported, "opt_state": plain(exported["opt_state"])})
+  # A typed PRNG key in the optimizer state (a noise transform's) moves to other devices.
+  noisy = optax.chain(optax.add_noise(0.01, 0.55, 0), optax.sgd(0.1))
+  wide = parstrat.DataParallel(data=8)(MODEL, noisy)
+  state = wide.init(jax.random.key(0), X[:1])
+  narrow = parstrat.DataParallel(data=2)(MODEL, noisy)
+  narrow.init(jax.random.key(0), X[:1])
+  moved = narrow.import_state(wide.export_state(state))
+  np.testing.assert_array_equal(
+    jax.random.key_data(moved.opt_state[0].rng_key), jax.random.key_data(state.opt_state[0].rng_key)
+  )

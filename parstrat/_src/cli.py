@@ -879,8 +879,47 @@ def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
   runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
   if any(_holds_checkpoints(run) for run in runs):
     args.resume = True
-  else:
-    args.overwrite = True
+    return
+  foreign = _first_foreign(directory, tuple(_compare_names(args)) if args.compare else ())
+  if foreign is not None:
+    raise UsageError(
+      f"--resume-if-exists: --checkpoint-dir {directory} holds no checkpoint but {foreign} "
+      "(another run?): it starts only in an empty folder or one a stopped leg left (metrics, "
+      "event files, report); pass --overwrite to start there anyway"
+    )
+  args.overwrite = True
+
+
+def _resume_flag(args: argparse.Namespace) -> str:
+  """The flag the user gave that resumes: messages name it."""
+  return "--resume-if-exists" if args.resume_if_exists else "--resume"
+
+
+#: What a leg of `parstrat train` leaves in its folders before its first
+#: checkpoint (and a save killed midway): `--resume-if-exists` starts over it.
+_LEFTOVER_FILES = ("metrics.jsonl", "report.png", "compare.png")
+
+
+def _first_foreign(directory: pathlib.Path, subfolders: tuple[str, ...] = ()) -> str | None:
+  """The first entry of `directory` that no killed leg of a run leaves, or None."""
+  from parstrat._src import tensorboard_log
+
+  if not directory.is_dir():
+    return None
+  for entry in sorted(directory.iterdir()):
+    name = entry.name
+    if entry.is_dir() and not entry.is_symlink():
+      if re.fullmatch(r"\d+\.orbax-checkpoint-tmp.*", name):
+        continue
+      if name in subfolders:  # (--compare's strategies)
+        inner = _first_foreign(entry)
+        if inner is None:
+          continue
+        return inner
+    elif entry.is_file() and (name in _LEFTOVER_FILES or name.startswith(tensorboard_log.PREFIX)):
+      continue
+    return str(entry)
+  return None
 
 
 def _holds_checkpoints(path: pathlib.Path) -> bool:
@@ -927,6 +966,10 @@ GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "
            "model_fn")  # fmt: skip
 
 
+#: What checkpoints written before `RunData.order` existed recorded as every dataset's order.
+_OLD_DATA_ORDER = "shuffled per epoch by (seed, epoch)"
+
+
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
   """`(guarded, other)` differences between a checkpoint's run config and this run's.
 
@@ -949,13 +992,17 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
   """
   if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
     raise UsageError(
-      f"--resume: the checkpoint was written with --seed {meta.get('seed')} "
+      f"{_resume_flag(args)}: the checkpoint was written with --seed {meta.get('seed')} "
       f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
     )
-  guarded, other = _config_changes(meta.get("config", {}), _run_config(args, data))
+  saved = dict(meta.get("config", {}))
+  if saved.get("data_order") == _OLD_DATA_ORDER:  # (older parstrat wrote it for any data)
+    saved["data_order"] = data.order
+  guarded, other = _config_changes(saved, _run_config(args, data))
   if guarded and not args.allow_config_change:
     raise UsageError(
-      f"--resume: the checkpoint was written with another configuration ({', '.join(guarded)});"
+      f"{_resume_flag(args)}: the checkpoint was written with another configuration "
+      f"({', '.join(guarded)});"
       " pass --allow-config-change to continue with the new one"
     )
   return guarded + other
@@ -1046,7 +1093,10 @@ def _open_checkpoints(args, strategy, trainer, say, data):
       others = [directory.parent / n for n in names if n != directory.name]
       if any(_holds_checkpoints(other) for other in others):
         # A --compare stopped before this strategy's first checkpoint: it starts now.
-        say(f"--resume: no checkpoint in {directory} yet: {strategy_name(strategy)} starts")
+        say(
+          f"{_resume_flag(args)}: no checkpoint in {directory} yet: "
+          f"{strategy_name(strategy)} starts"
+        )
         return ckpt, None, None
       raise UsageError(f"--resume: no checkpoint in {directory}")
     try:  # the run's configuration is checked before any array is read
@@ -1059,15 +1109,19 @@ def _open_checkpoints(args, strategy, trainer, say, data):
         state, meta = ckpt.restore(trainer, fresh_optimizer=args.fresh_optimizer)
       except OptimizerDoesNotFit as e:
         changed = f"This run changes {', '.join(changes)}: a" if changes else "A"
+        fresh = (
+          "resume once with --resume --fresh-optimizer (not --resume-if-exists)"
+          if args.resume_if_exists
+          else "add --fresh-optimizer"
+        )
         raise UsageError(
-          f"--resume: {e} {changed} change that gives the optimizer state another layout "
-          "(another --optimizer, clipping on or off, weight decay on or off, a schedule for a "
-          "constant rate) cannot be resumed with the saved optimizer state: add "
-          "--fresh-optimizer to start it anew from the restored params, or resume with the "
-          "saved values"
+          f"{_resume_flag(args)}: {e} {changed} change that gives the optimizer state another "
+          "layout (another --optimizer, clipping on or off, weight decay on or off, a schedule "
+          f"for a constant rate) cannot be resumed with the saved optimizer state: {fresh} to "
+          "start it anew from the restored params, or resume with the saved values"
         ) from None
       except (ValueError, CheckpointError) as e:
-        raise UsageError(f"--resume: {e}") from None
+        raise UsageError(f"{_resume_flag(args)}: {e}") from None
     for warning in caught:
       say(f"warning: {warning.message}")
     changes = _resumable_changes(args, meta, data)
@@ -1417,6 +1471,7 @@ def _train_one(
   from parstrat._src import run_data
   from parstrat._src import tensorboard_log
   from parstrat._src.history import History
+  from parstrat._src.history import read_history
 
   optimizer, lr_schedule = _optimizer(args, data)
   try:
@@ -1484,8 +1539,10 @@ def _train_one(
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
-        return {"accuracy": accuracy, "records": [], "state": state, "skipped": [],
-                "complete": True}  # fmt: skip
+        # (its curves, for a --compare picture drawn again for the others)
+        done = metrics_path is not None and pathlib.Path(metrics_path).is_file()
+        return {"accuracy": accuracy, "records": read_history(metrics_path) if done else [],
+                "state": state, "skipped": [], "complete": True}  # fmt: skip
   try:
     history = History(metrics_path, resume_step=resume_step)
   except (OSError, ValueError) as e:
@@ -1498,7 +1555,8 @@ def _train_one(
     running["window_loss"], running["last_row_step"] = [0.0, 0], resume_step
   # A resumed run drops the curves' points after its checkpoint (TensorBoard's purge_step).
   purge = None if resume_step is None else resume_step + 1
-  if args.overwrite and log_dir is not None:  # the old run's curves go with it
+  if (args.overwrite or (args.resume and resume_step is None)) and log_dir is not None:
+    # the old run's curves go with it (a --compare strategy that starts: a stopped leg's)
     for old in pathlib.Path(log_dir).glob(f"{tensorboard_log.PREFIX}*"):
       old.unlink()
   board = tensorboard_log.ScalarWriter(log_dir, purge) if log_dir is not None else None
@@ -1711,7 +1769,8 @@ def _train_one(
   if stopped_early:
     import signal
 
-    saved = (f"checkpoint saved in {ckpt.directory}; continue with --resume"
+    again = "run the same command again" if args.resume_if_exists else "continue with --resume"
+    saved = (f"checkpoint saved in {ckpt.directory}; {again}"
              if ckpt is not None else "nothing saved (no --checkpoint-dir)")  # fmt: skip
     raise Interrupted(
       f"{signal.Signals(stop.signum).name} at step {step}, after the step: {saved}", stop.signum

@@ -1699,6 +1699,9 @@ class Trainer:
       # them, say 2 of a 4-device mesh, it refuses them too)
       if isinstance(x, jax.Array) and x.is_fully_addressable and x.committed:
         if x.sharding.device_set != mesh_devices:
+          if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # (a noise transform's)
+            data = np.asarray(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
           return np.asarray(x)
       return x
 
@@ -1716,6 +1719,13 @@ class Trainer:
           return f"({', '.join(type(part).__name__ for part in tree)})"
         return type(tree).__name__
 
+      if _plain_containers(opt_state):
+        raise ValueError(
+          "The saved optimizer state has this trainer's leaves in plain dicts and lists "
+          f"({outline(opt_state)}, expected {outline(expected)}), as orbax reads a "
+          "checkpoint without a target tree: restore it with parstrat.checkpoint."
+          "Checkpointer, or give orbax the target jax.eval_shape(trainer.export_state, state)."
+        )
       problem = (
         f"its leaves fit but its tree does not: {outline(opt_state)}, expected {outline(expected)}"
       )
@@ -1740,6 +1750,17 @@ class Trainer:
     """
     self._check_state(state, "params")
     return self._compiled_params(state.params)
+
+
+def _plain_containers(tree: Any) -> bool:
+  """Whether `tree` is built of dicts, lists, tuples and None only (no NamedTuple)."""
+  if tree is None or isinstance(tree, (np.ndarray, np.generic, jax.Array, int, float)):
+    return True
+  if isinstance(tree, dict):
+    return all(_plain_containers(v) for v in tree.values())
+  if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    return all(_plain_containers(v) for v in tree)
+  return False
 
 
 def accumulate_gradients(
