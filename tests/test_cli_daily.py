@@ -852,6 +852,12 @@ def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
   # still has the complete strategy's (it had none of them).
   assert len(list((tmp_path / "ckpt" / "fsdp").glob("events.out.tfevents.*"))) == 1
   assert [r["step"] for r in drawn["data_parallel"] if "loss" in r] == [1, 2]
+  # A complete run's damaged metrics leave its curves out, with a word.
+  metrics = tmp_path / "ckpt" / "data_parallel" / "metrics.jsonl"
+  metrics.write_text("{bad\n" + metrics.read_text())
+  capsys.readouterr()
+  assert _user_run(tmp_path, monkeypatch, *flags, "--resume") == 0
+  assert "not a JSON record" in capsys.readouterr().out
   # Without a checkpoint of any of its strategies there is nothing to resume (another
   # run's checkpoints in the same folder do not count).
   shutil.rmtree(tmp_path / "ckpt")
@@ -871,14 +877,22 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
 
   flags = ["--model-fn", "mymodel:model", "--dataset", "mymodel:data", "--log-every", "1"]
   assert _user_run(tmp_path, monkeypatch, *flags, "--steps", "6", "--out", "straight") == 0
-  (tmp_path / "ckpt").mkdir()
-  (tmp_path / "ckpt" / "metrics.jsonl").write_text('{"step": 1, "loss": 123.0}\n')
   job = [*flags, "--checkpoint-dir", "ckpt", "--resume-if-exists"]
   capsys.readouterr()
+  for leg in range(2):  # a first leg; then the same over what it leaves if killed early
+    assert _user_run(tmp_path, monkeypatch, *job, "--steps", str(2 + leg)) == 0
+    assert "--resume-if-exists: no checkpoint in ckpt: data_parallel starts" in (
+      capsys.readouterr().out.splitlines()
+    )
+    for step in (tmp_path / "ckpt").iterdir():  # as if killed before its first checkpoint
+      if step.name.isdigit():
+        shutil.rmtree(step)
+    (tmp_path / "ckpt" / "2.orbax-checkpoint-tmp").mkdir(exist_ok=True)  # (in its save)
+    (tmp_path / "ckpt" / ".metrics.jsonl-x1y2z3").write_text("")  # (in History's write)
+  left = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+  assert left[:2] == [".metrics.jsonl-x1y2z3", "2.orbax-checkpoint-tmp"]
+  assert left[2].startswith("events.out.tfevents.") and left[3:] == ["metrics.jsonl", "report.png"]
   assert _user_run(tmp_path, monkeypatch, *job, "--steps", "3") == 0
-  assert "--resume-if-exists: no checkpoint in ckpt: data_parallel starts" in (
-    capsys.readouterr().out.splitlines()
-  )
   assert rows("ckpt") == rows("straight")[:3]  # (the killed leg's rows replaced)
   unfinished = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1765000000"  # (killed in a save)
   unfinished.mkdir()
@@ -901,7 +915,10 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
   for foreign in ("notes.txt", "my.orbax-checkpoint-tmp-backup"):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "metrics.jsonl").write_text("")
-    (tmp_path / "other" / foreign).mkdir()
+    if foreign.endswith(".txt"):
+      (tmp_path / "other" / foreign).write_text("mine")
+    else:
+      (tmp_path / "other" / foreign).mkdir()
     assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "other",
                      "--resume-if-exists") == 2  # fmt: skip
     assert (
@@ -909,12 +926,57 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
       "(another run?)" in capsys.readouterr().err
     )
     shutil.rmtree(tmp_path / "other")
+  # ... and so is an --out of another run (the checkpoints elsewhere, none yet).
+  assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "new", "--out",
+                   "straight", "--resume-if-exists") == 2  # fmt: skip
+  assert "--resume-if-exists: --out straight holds another run (straight/metrics.jsonl)" in (
+    capsys.readouterr().err
+  )
+  # A --metrics file of its own in the folder is what a stopped leg leaves, too.
+  (tmp_path / "m").mkdir()
+  (tmp_path / "m" / "train.jsonl").write_text("")
+  assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "m", "--metrics",
+                   "m/train.jsonl", "--resume-if-exists") == 0  # fmt: skip
   # A stop tells the job to run its command again (adding --resume is refused with it).
   stopped = [*flags, "--checkpoint-dir", "stopped", "--resume-if-exists", "--steps", "8",
              "--dataset", "mymodel:ctrl_c_at_the_4th"]  # fmt: skip
   assert _user_run(tmp_path, monkeypatch, *stopped) == 130
   assert "after the step: checkpoint saved in" in (err := capsys.readouterr().err)
   assert err.strip().endswith("; run the same command again"), err
+
+
+def test_what_a_stopped_compare_leg_leaves_is_told_from_another_runs_files(tmp_path):
+  args = cli.build_parser().parse_args(["train", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                        "--compare", "data_parallel,fsdp", "--out",
+                                        str(tmp_path / "ckpt" / "logs")])  # fmt: skip
+  folders, files = cli._leg_paths(args)
+  for name in ("data_parallel", "logs/fsdp"):  # (the checkpoints' and --out's folders)
+    (tmp_path / "ckpt" / name).mkdir(parents=True)
+    (tmp_path / "ckpt" / name / "metrics.jsonl").write_text("")
+  (tmp_path / "ckpt" / "compare.png").write_bytes(b"")
+  assert cli._first_foreign(tmp_path / "ckpt", folders, files) is None
+  (tmp_path / "ckpt" / "logs" / "fsdp" / "mine.txt").write_text("")
+  assert cli._first_foreign(tmp_path / "ckpt", folders, files) == str(
+    tmp_path / "ckpt" / "logs" / "fsdp" / "mine.txt"
+  )
+
+
+def test_an_older_checkpoints_data_order_is_not_a_change():
+  # Checkpoints written before `RunData.order` said "shuffled per epoch by (seed, epoch)"
+  # for every dataset, a dataset function's too: resuming one listed it as a change.
+  args = cli.build_parser().parse_args(["train", "--dataset", "mymodel:data"])
+  data = run_data.RunData(
+    description="mymodel:data", train_epoch=lambda epoch: [], steps_per_epoch=8,
+    eval_batches=None, example=(np.zeros((1, 12)), np.zeros((1,))),
+    order="as the dataset function gives it",
+  )  # fmt: skip
+  saved = {**cli._run_config(args, data), "data_order": "shuffled per epoch by (seed, epoch)"}
+  meta = {"seed": args.seed, "batch_size": args.batch_size, "config": saved}
+  assert cli._resumable_changes(args, meta, data) == []
+  saved["data_order"] = "something else"
+  assert cli._resumable_changes(args, meta, data) == [
+    "data_order something else -> as the dataset function gives it"
+  ]
 
 
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):

@@ -805,10 +805,19 @@ def test_import_state_names_a_state_read_without_its_tree_and_moves_an_optimizer
 
   exported = trainer.export_state(trainer.initial)
   with pytest.raises(ValueError, match=re.escape(
-    "The saved optimizer state has this trainer's leaves in plain dicts and lists ((dict, "
-    "NoneType), expected (ScaleByAdamState, EmptyState)), as orbax reads a checkpoint without "
+    "The saved optimizer state has this trainer's leaves in plain dicts and lists ([dict, "
+    "NoneType], expected (ScaleByAdamState, EmptyState)), as orbax reads a checkpoint without "
     "a target tree")):  # fmt: skip
     trainer.import_state({**exported, "opt_state": plain(exported["opt_state"])})
+  # (an optimizer whose own state is plain: a list for its tuple is just another tree)
+  kept = optax.GradientTransformation(lambda p: (p,), lambda g, s, p=None: (g, s))
+  own = parstrat.DataParallel(data=2)(MODEL, kept)
+  own.init(jax.random.key(0), X[:1])
+  tupled = own.export_state(own.init(jax.random.key(0), X[:1]))
+  with pytest.raises(
+    ValueError, match=re.escape("its leaves fit but its tree does not: [dict], expected (dict)")
+  ):
+    own.import_state({**tupled, "opt_state": list(tupled["opt_state"])})
   # A typed PRNG key in the optimizer state (a noise transform's) moves to other devices.
   noisy = optax.chain(optax.add_noise(0.01, 0.55, 0), optax.sgd(0.1))
   wide = parstrat.DataParallel(data=8)(MODEL, noisy)

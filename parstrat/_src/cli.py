@@ -880,12 +880,20 @@ def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
   if any(_holds_checkpoints(run) for run in runs):
     args.resume = True
     return
-  foreign = _first_foreign(directory, tuple(_compare_names(args)) if args.compare else ())
-  if foreign is not None:
+  folders, files = _leg_paths(args)
+  for flag, where in (("--checkpoint-dir", directory), ("--out", args.out)):
+    foreign = _first_foreign(pathlib.Path(where), folders, files) if where else None
+    if foreign is not None:
+      raise UsageError(
+        f"--resume-if-exists: {flag} {where} holds no checkpoint but {foreign} (another "
+        "run?): it starts only in an empty folder or one a stopped leg left (metrics, event "
+        "files, report); pass --overwrite to start there anyway"
+      )
+  previous = _previous_run(pathlib.Path(args.out), args.compare) if args.out else None
+  if previous and not directory.exists():  # (a stopped leg made --checkpoint-dir first)
     raise UsageError(
-      f"--resume-if-exists: --checkpoint-dir {directory} holds no checkpoint but {foreign} "
-      "(another run?): it starts only in an empty folder or one a stopped leg left (metrics, "
-      "event files, report); pass --overwrite to start there anyway"
+      f"--resume-if-exists: --out {args.out} holds another run ({previous}) and "
+      f"--checkpoint-dir {directory} none: pass --overwrite to replace it"
     )
   args.overwrite = True
 
@@ -900,26 +908,56 @@ def _resume_flag(args: argparse.Namespace) -> str:
 _LEFTOVER_FILES = ("metrics.jsonl", "report.png", "compare.png")
 
 
-def _first_foreign(directory: pathlib.Path, subfolders: tuple[str, ...] = ()) -> str | None:
-  """The first entry of `directory` that no killed leg of a run leaves, or None."""
+def _first_foreign(
+  directory: pathlib.Path, folders: frozenset = frozenset(), files: frozenset = frozenset()
+) -> str | None:
+  """The first entry of `directory` that no stopped leg of this run leaves, or None.
+
+  A leg leaves its metrics, TensorBoard event files, report, unfinished orbax
+  saves (`N.orbax-checkpoint-tmp*`), the temporary files of writes it was
+  killed in (`.metrics.jsonl-XXXX`), and, given as resolved paths, its own
+  `files` (`--metrics`) and `folders` (`--compare`'s strategies, `--out`),
+  whose entries are checked alike.
+  """
   from parstrat._src import tensorboard_log
 
   if not directory.is_dir():
     return None
+  own = (*_LEFTOVER_FILES, *(f.name for f in files))
   for entry in sorted(directory.iterdir()):
-    name = entry.name
+    name, resolved = entry.name, entry.resolve()
     if entry.is_dir() and not entry.is_symlink():
       if re.fullmatch(r"\d+\.orbax-checkpoint-tmp.*", name):
         continue
-      if name in subfolders:  # (--compare's strategies)
-        inner = _first_foreign(entry)
+      if resolved in folders:
+        inner = _first_foreign(entry, folders, files)
         if inner is None:
           continue
         return inner
-    elif entry.is_file() and (name in _LEFTOVER_FILES or name.startswith(tensorboard_log.PREFIX)):
+    elif entry.is_file() and (
+      name in _LEFTOVER_FILES
+      or resolved in files
+      or name.startswith(tensorboard_log.PREFIX)
+      or any(name.startswith(f".{leftover}-") for leftover in own)
+    ):
       continue
     return str(entry)
   return None
+
+
+def _leg_paths(args: argparse.Namespace) -> tuple[frozenset, frozenset]:
+  """(folders, files) this run writes besides its checkpoints, resolved: see `_first_foreign`."""
+  names = _compare_names(args) if args.compare else []
+  folders = set()
+  for base in filter(None, (args.checkpoint_dir, args.out)):
+    folders.add(pathlib.Path(base).resolve())
+    folders.update(pathlib.Path(base).resolve() / n for n in names)
+  files = set()
+  if args.metrics:
+    given = pathlib.Path(args.metrics).resolve()
+    files.add(given)
+    files.update(given.with_name(f"{given.stem}.{n}{given.suffix}") for n in names)
+  return frozenset(folders), frozenset(files)
 
 
 def _holds_checkpoints(path: pathlib.Path) -> bool:
@@ -1098,7 +1136,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
           f"{strategy_name(strategy)} starts"
         )
         return ckpt, None, None
-      raise UsageError(f"--resume: no checkpoint in {directory}")
+      raise UsageError(f"{_resume_flag(args)}: no checkpoint in {directory}")
     try:  # the run's configuration is checked before any array is read
       changes = _resumable_changes(args, ckpt.metadata(), data)
     except CheckpointError:  # a damaged newest checkpoint: restore falls back past it
@@ -1450,6 +1488,19 @@ def _optimizer(args, data):
   return optimizer, schedule
 
 
+def _complete_records(args, metrics_path, say) -> list[dict]:
+  """A complete run's records, for the picture `--compare` draws again for the others."""
+  from parstrat._src.history import read_history
+
+  if not args.compare or metrics_path is None or not pathlib.Path(metrics_path).is_file():
+    return []
+  try:
+    return read_history(metrics_path)
+  except (OSError, ValueError) as e:
+    say(f"warning: {e}: its curves are left out of the picture")
+    return []
+
+
 def _train_one(
   args,
   strategy,
@@ -1471,7 +1522,6 @@ def _train_one(
   from parstrat._src import run_data
   from parstrat._src import tensorboard_log
   from parstrat._src.history import History
-  from parstrat._src.history import read_history
 
   optimizer, lr_schedule = _optimizer(args, data)
   try:
@@ -1539,9 +1589,7 @@ def _train_one(
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
-        # (its curves, for a --compare picture drawn again for the others)
-        done = metrics_path is not None and pathlib.Path(metrics_path).is_file()
-        return {"accuracy": accuracy, "records": read_history(metrics_path) if done else [],
+        return {"accuracy": accuracy, "records": _complete_records(args, metrics_path, say),
                 "state": state, "skipped": [], "complete": True}  # fmt: skip
   try:
     history = History(metrics_path, resume_step=resume_step)

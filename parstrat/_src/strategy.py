@@ -1716,10 +1716,11 @@ class Trainer:
 
       def outline(tree):  # e.g. (ScaleByAdamState, EmptyState): a chain's states
         if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
-          return f"({', '.join(type(part).__name__ for part in tree)})"
+          parts = ", ".join(type(part).__name__ for part in tree)
+          return f"[{parts}]" if isinstance(tree, list) else f"({parts})"
         return type(tree).__name__
 
-      if _plain_containers(opt_state):
+      if _plain_containers(opt_state) and not _plain_containers(expected):
         raise ValueError(
           "The saved optimizer state has this trainer's leaves in plain dicts and lists "
           f"({outline(opt_state)}, expected {outline(expected)}), as orbax reads a "
@@ -1754,13 +1755,13 @@ class Trainer:
 
 def _plain_containers(tree: Any) -> bool:
   """Whether `tree` is built of dicts, lists, tuples and None only (no NamedTuple)."""
-  if tree is None or isinstance(tree, (np.ndarray, np.generic, jax.Array, int, float)):
+  if tree is None:
     return True
   if isinstance(tree, dict):
     return all(_plain_containers(v) for v in tree.values())
   if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
     return all(_plain_containers(v) for v in tree)
-  return False
+  return jax.tree_util.treedef_is_leaf(jax.tree.structure(tree))  # (an array, a shape)
 
 
 def accumulate_gradients(
