@@ -887,11 +887,12 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
     for step in (tmp_path / "ckpt").iterdir():  # as if killed before its first checkpoint
       if step.name.isdigit():
         shutil.rmtree(step)
+    (tmp_path / "ckpt" / "report.png").unlink()  # (drawn only by a leg that ends)
     (tmp_path / "ckpt" / "2.orbax-checkpoint-tmp").mkdir(exist_ok=True)  # (in its save)
     (tmp_path / "ckpt" / ".metrics.jsonl-x1y2z3").write_text("")  # (in History's write)
   left = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
   assert left[:2] == [".metrics.jsonl-x1y2z3", "2.orbax-checkpoint-tmp"]
-  assert left[2].startswith("events.out.tfevents.") and left[3:] == ["metrics.jsonl", "report.png"]
+  assert left[2].startswith("events.out.tfevents.") and left[3:] == ["metrics.jsonl"]
   assert _user_run(tmp_path, monkeypatch, *job, "--steps", "3") == 0
   assert rows("ckpt") == rows("straight")[:3]  # (the killed leg's rows replaced)
   unfinished = tmp_path / "ckpt" / "4.orbax-checkpoint-tmp-1765000000"  # (killed in a save)
@@ -926,12 +927,20 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
       "(another run?)" in capsys.readouterr().err
     )
     shutil.rmtree(tmp_path / "other")
-  # ... and so is an --out of another run (the checkpoints elsewhere, none yet).
-  assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "new", "--out",
+  # ... and so is an --out of another run (a complete one has its report), whether the
+  # checkpoint folder exists or not, or of another run stopped early.
+  (tmp_path / "new").mkdir()
+  for checkpoints in ("new", "none_yet"):
+    assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", checkpoints, "--out",
+                     "straight", "--resume-if-exists") == 2  # fmt: skip
+    assert "--resume-if-exists: --out straight holds straight/report.png, which no stopped " \
+      "leg of this run leaves (another run?); run once with --overwrite instead of " \
+      "--resume-if-exists" in capsys.readouterr().err  # fmt: skip
+  (tmp_path / "straight" / "report.png").unlink()
+  assert _user_run(tmp_path, monkeypatch, *flags, "--checkpoint-dir", "none_yet", "--out",
                    "straight", "--resume-if-exists") == 2  # fmt: skip
-  assert "--resume-if-exists: --out straight holds another run (straight/metrics.jsonl)" in (
-    capsys.readouterr().err
-  )
+  assert "--resume-if-exists: --out straight holds another run (straight/metrics.jsonl) and " \
+    "--checkpoint-dir none_yet none" in capsys.readouterr().err  # fmt: skip
   # A --metrics file of its own in the folder is what a stopped leg leaves, too.
   (tmp_path / "m").mkdir()
   (tmp_path / "m" / "train.jsonl").write_text("")
@@ -948,13 +957,19 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
 def test_what_a_stopped_compare_leg_leaves_is_told_from_another_runs_files(tmp_path):
   args = cli.build_parser().parse_args(["train", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                         "--compare", "data_parallel,fsdp", "--out",
-                                        str(tmp_path / "ckpt" / "logs")])  # fmt: skip
+                                        str(tmp_path / "ckpt" / "logs"), "--metrics",
+                                        str(tmp_path / "ckpt" / "m" / "run.jsonl")])  # fmt: skip
   folders, files = cli._leg_paths(args)
-  for name in ("data_parallel", "logs/fsdp"):  # (the checkpoints' and --out's folders)
+  for name in ("data_parallel", "logs/fsdp", "m"):  # (the checkpoints', --out's, --metrics')
     (tmp_path / "ckpt" / name).mkdir(parents=True)
-    (tmp_path / "ckpt" / name / "metrics.jsonl").write_text("")
-  (tmp_path / "ckpt" / "compare.png").write_bytes(b"")
+  for name in ("data_parallel/events.out.tfevents.1.vm", "m/run.fsdp.jsonl", "m/.run.fsdp.jsonl-x"):
+    (tmp_path / "ckpt" / name).write_text("")
   assert cli._first_foreign(tmp_path / "ckpt", folders, files) is None
+  (tmp_path / "ckpt" / "compare.png").write_bytes(b"")  # (drawn when all have trained)
+  assert cli._first_foreign(tmp_path / "ckpt", folders, files) == str(
+    tmp_path / "ckpt" / "compare.png"
+  )
+  (tmp_path / "ckpt" / "compare.png").unlink()
   (tmp_path / "ckpt" / "logs" / "fsdp" / "mine.txt").write_text("")
   assert cli._first_foreign(tmp_path / "ckpt", folders, files) == str(
     tmp_path / "ckpt" / "logs" / "fsdp" / "mine.txt"

@@ -881,19 +881,25 @@ def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
     args.resume = True
     return
   folders, files = _leg_paths(args)
-  for flag, where in (("--checkpoint-dir", directory), ("--out", args.out)):
-    foreign = _first_foreign(pathlib.Path(where), folders, files) if where else None
-    if foreign is not None:
-      raise UsageError(
-        f"--resume-if-exists: {flag} {where} holds no checkpoint but {foreign} (another "
-        "run?): it starts only in an empty folder or one a stopped leg left (metrics, event "
-        "files, report); pass --overwrite to start there anyway"
-      )
+  anyway = "run once with --overwrite instead of --resume-if-exists to start there anyway"
+  foreign = _first_foreign(directory, folders, files)
+  if foreign is not None:
+    raise UsageError(
+      f"--resume-if-exists: --checkpoint-dir {directory} holds no checkpoint but {foreign} "
+      "(another run?): it starts only in an empty folder or one a stopped leg left (metrics, "
+      f"event files, unfinished saves); {anyway}"
+    )
+  foreign = _first_foreign(pathlib.Path(args.out), folders, files) if args.out else None
+  if foreign is not None:
+    raise UsageError(
+      f"--resume-if-exists: --out {args.out} holds {foreign}, which no stopped leg of this "
+      f"run leaves (another run?); {anyway}"
+    )
   previous = _previous_run(pathlib.Path(args.out), args.compare) if args.out else None
   if previous and not directory.exists():  # (a stopped leg made --checkpoint-dir first)
     raise UsageError(
       f"--resume-if-exists: --out {args.out} holds another run ({previous}) and "
-      f"--checkpoint-dir {directory} none: pass --overwrite to replace it"
+      f"--checkpoint-dir {directory} none; {anyway}"
     )
   args.overwrite = True
 
@@ -903,9 +909,10 @@ def _resume_flag(args: argparse.Namespace) -> str:
   return "--resume-if-exists" if args.resume_if_exists else "--resume"
 
 
-#: What a leg of `parstrat train` leaves in its folders before its first
-#: checkpoint (and a save killed midway): `--resume-if-exists` starts over it.
-_LEFTOVER_FILES = ("metrics.jsonl", "report.png", "compare.png")
+#: What a leg of `parstrat train` leaves in its folders when stopped before its
+#: first checkpoint: `--resume-if-exists` starts over it. (Not the report: it is
+#: drawn only when every strategy has trained, after a last checkpoint.)
+_LEFTOVER_FILES = ("metrics.jsonl",)
 
 
 def _first_foreign(
@@ -913,11 +920,11 @@ def _first_foreign(
 ) -> str | None:
   """The first entry of `directory` that no stopped leg of this run leaves, or None.
 
-  A leg leaves its metrics, TensorBoard event files, report, unfinished orbax
-  saves (`N.orbax-checkpoint-tmp*`), the temporary files of writes it was
-  killed in (`.metrics.jsonl-XXXX`), and, given as resolved paths, its own
-  `files` (`--metrics`) and `folders` (`--compare`'s strategies, `--out`),
-  whose entries are checked alike.
+  A leg leaves its metrics, TensorBoard event files, unfinished orbax saves
+  (`N.orbax-checkpoint-tmp*`), the temporary files of writes it was killed in
+  (`.metrics.jsonl-XXXX`), and, given as resolved paths, its own `files`
+  (`--metrics`) and `folders` (`--compare`'s strategies, `--out`, the folder of
+  `--metrics`), whose entries are checked alike.
   """
   from parstrat._src import tensorboard_log
 
@@ -957,6 +964,10 @@ def _leg_paths(args: argparse.Namespace) -> tuple[frozenset, frozenset]:
     given = pathlib.Path(args.metrics).resolve()
     files.add(given)
     files.update(given.with_name(f"{given.stem}.{n}{given.suffix}") for n in names)
+    bases = set(folders)
+    for parent in given.parents:  # (--metrics ckpt/logs/m.jsonl: ckpt/logs is the run's)
+      if any(parent.is_relative_to(base) and parent != base for base in bases):
+        folders.add(parent)
   return frozenset(folders), frozenset(files)
 
 
