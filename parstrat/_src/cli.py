@@ -855,9 +855,10 @@ def _check_paths(args: argparse.Namespace) -> None:
 def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
   """Turns `--resume-if-exists` into `--resume`, or where no checkpoint is, `--overwrite`.
 
-  A leg killed before its first checkpoint leaves at most its metrics (and
-  event files, a report): the run starts afresh over them, as `--overwrite`
-  would, with no checkpoint to delete.
+  A leg killed before its first checkpoint leaves its metrics and event files
+  (and unfinished saves and writes: see `_first_foreign`): the run starts
+  afresh over them, as `--overwrite` would, with no checkpoint to delete;
+  anything else in `--checkpoint-dir` or `--out` is refused.
 
   Raises:
     UsageError: without `--checkpoint-dir`, or with `--resume`, `--overwrite`
@@ -1015,10 +1016,6 @@ GUARDED = ("optimizer", "lr", "lr_schedule", "schedule_steps", "warmup_steps", "
            "model_fn")  # fmt: skip
 
 
-#: What checkpoints written before `RunData.order` existed recorded as every dataset's order.
-_OLD_DATA_ORDER = "shuffled per epoch by (seed, epoch)"
-
-
 def _config_changes(saved: dict, current: dict) -> tuple[list[str], list[str]]:
   """`(guarded, other)` differences between a checkpoint's run config and this run's.
 
@@ -1044,8 +1041,10 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
       f"{_resume_flag(args)}: the checkpoint was written with --seed {meta.get('seed')} "
       f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
     )
+  from parstrat._src import run_data
+
   saved = dict(meta.get("config", {}))
-  if saved.get("data_order") == _OLD_DATA_ORDER:  # (older parstrat wrote it for any data)
+  if saved.get("data_order") == run_data.SHUFFLED:  # (older parstrat wrote it for any data)
     saved["data_order"] = data.order
   guarded, other = _config_changes(saved, _run_config(args, data))
   if guarded and not args.allow_config_change:

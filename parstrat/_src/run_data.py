@@ -25,6 +25,12 @@ from parstrat._src.messages import first_line
 MNIST = "mnist"
 
 
+#: The order of MNIST, the sample and tfds batches (`datasets.batch_indices`), as
+#: checkpoints record it; checkpoints written before `RunData.order` existed say it
+#: for every dataset.
+SHUFFLED = "shuffled per epoch by (seed, epoch)"
+
+
 @dataclasses.dataclass(frozen=True)
 class RunData:
   """A dataset as the training loop sees it.
@@ -48,7 +54,7 @@ class RunData:
   example: Any
   num_classes: int | None = None
   one_shot: bool = False
-  order: str = "shuffled per epoch by (seed, epoch)"
+  order: str = SHUFFLED
 
   @functools.cached_property
   def example_hash(self) -> str:
