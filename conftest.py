@@ -4,8 +4,11 @@ The tests compile hundreds of small programs on 2 cores and run each for a few
 steps, so XLA's CPU backend is told to skip LLVM's optimisation passes (about a
 quarter less compile time) and to emit fusions with its older loop emitters
 rather than the MLIR fusion emitters (about a third less CPU time for the whole
-suite again, measured on this machine). Every comparison (strategy vs single-device jit,
-memory of one layout vs another) is between programs compiled the same way.
+suite again, measured on this machine), and to compile each program's LLVM module
+in one piece rather than split for a thread pool (two workers on two cores leave
+no thread idle: about an eighth less CPU time again). Every comparison (strategy
+vs single-device jit, memory of one layout vs another) is between programs
+compiled the same way.
 
 Many tests compile the same program again (the single-device reference of a
 model and optimizer, the same CLI run before and after a resume, in this
@@ -33,6 +36,7 @@ os.environ["XLA_FLAGS"] = " ".join(
     for flag, value in (
       ("xla_backend_optimization_level", 0),
       ("xla_cpu_use_fusion_emitters", "false"),
+      ("xla_cpu_parallel_codegen_split_count", 1),
     )
     if f"--{flag}=" not in _FLAGS
   ]
