@@ -50,6 +50,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # those compiled in under a second, nearly all of ours).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# JAX writes a cache entry in place, so a process reading it meanwhile (the
+# other worker, a CLI subprocess, the other process of a two-process test) can
+# read half of it: JAX then warns "Error reading persistent compilation cache
+# entry ... truncated" and compiles the program itself, which is all a cache
+# miss costs. Silenced in the subprocesses here (in the workers by pyproject's
+# filterwarnings), where it would be a line more on a stderr some tests read.
+_CACHE_READ = "ignore:Error reading persistent compilation cache entry:UserWarning"
+os.environ["PYTHONWARNINGS"] = ",".join(
+  filter(None, [os.environ.get("PYTHONWARNINGS", ""), _CACHE_READ])
+)
 
 import parstrat.testing  # noqa: E402
 
