@@ -903,6 +903,19 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
     assert ckpt.metadata()["config"]["data_order"] == "as the dataset function gives it"
   assert "resumed from" in capsys.readouterr().out
   assert rows("ckpt") == rows("straight")
+  # Killed while drawing its report (after its last checkpoint): the next leg, complete,
+  # draws it from the whole run's metrics, and leaves a report that is there alone.
+  (tmp_path / "ckpt" / "report.png").unlink()
+  drawn = []
+  monkeypatch.setattr(report, "draw_training_report", lambda runs, path: drawn.append(runs))
+  for _ in range(2):
+    assert _user_run(tmp_path, monkeypatch, *job, "--steps", "6") == 0
+    (tmp_path / "ckpt" / "report.png").touch()
+  assert "already complete at step 6" in capsys.readouterr().out
+  ((name, records),) = drawn[0].items()  # (drawn once)
+  assert len(drawn) == 1 and [(r["step"], r["loss"]) for r in records if "loss" in r] == rows(
+    "straight"
+  )
   for clash, why in [
     ("--resume", "it resumes where there is a checkpoint: drop --resume"),
     ("--overwrite", "it continues the checkpoints that --overwrite would delete: pick one"),

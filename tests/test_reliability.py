@@ -110,13 +110,38 @@ def test_a_nonfinite_metric_is_strict_json_null_and_still_drawn(tmp_path):
   assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_report_interrupted_while_drawn_leaves_the_one_before(tmp_path, monkeypatch):
+  # matplotlib wrote the picture in place: a run killed while drawing it left half a PNG.
+  import matplotlib.figure
+
+  from parstrat._src import report
+
+  def interrupted(figure, target, **kwargs):
+    if isinstance(target, (str, os.PathLike)):
+      target = open(target, "wb")  # noqa: SIM115 (left open, as a killed process does)
+    target.write(b"\x89PNG half")
+    raise KeyboardInterrupt
+
+  path = tmp_path / "report.png"
+  path.write_bytes(b"the run's report")
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    report.draw_training_report({"run": [{"step": 1, "loss": 1.0}]}, path)
+  assert path.read_bytes() == b"the run's report" and os.listdir(tmp_path) == ["report.png"]
+
+
 def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_done(
   tmp_path, capsys, monkeypatch
 ):
   from parstrat._src import report
 
   drawn = []  # the records each report is drawn from
-  monkeypatch.setattr(report, "draw_training_report", lambda runs, path: drawn.append(runs))
+
+  def draw(runs, path):
+    drawn.append(runs)
+    path.touch()  # (a complete run draws its report again only where it is missing)
+
+  monkeypatch.setattr(report, "draw_training_report", draw)
   ckpt = tmp_path / "ck"
   flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--save-every", "5"]
   assert cli.main([*flags, "--steps", "10"]) == 0

@@ -1415,10 +1415,12 @@ def train(args: argparse.Namespace) -> dict:
       args, strategy, model, data, metrics_path if primary else None, say,
       model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
     )  # fmt: skip
-  if out is not None and primary and not all(r.get("complete") for r in runs.values()):
+  picture = None if out is None else out / ("compare.png" if args.compare else "report.png")
+  complete = all(r.get("complete") for r in runs.values())
+  if picture is not None and primary and not (complete and picture.exists()):
+    # (a complete run draws it only if missing: the leg that ended was killed drawing it)
     from parstrat._src import report
 
-    picture = out / ("compare.png" if args.compare else "report.png")
     report.draw_training_report({n: r["records"] for n, r in runs.items()}, picture)
     say(f"report: {picture}")
   return runs
@@ -1498,11 +1500,19 @@ def _optimizer(args, data):
   return optimizer, schedule
 
 
-def _complete_records(args, metrics_path, say) -> list[dict]:
-  """A complete run's records, for the picture `--compare` draws again for the others."""
+def _complete_records(args, metrics_path, say, log_dir) -> list[dict]:
+  """A complete run's records, for a picture drawn again.
+
+  `--compare` draws its picture again for the other strategies; a run's own
+  report is drawn again only where it is missing (the leg that ended was killed
+  while drawing it).
+  """
   from parstrat._src.history import read_history
 
-  if not args.compare or metrics_path is None or not pathlib.Path(metrics_path).is_file():
+  drawn = args.compare or (
+    log_dir is not None and not (pathlib.Path(log_dir) / "report.png").exists()
+  )
+  if not drawn or metrics_path is None or not pathlib.Path(metrics_path).is_file():
     return []
   try:
     return read_history(metrics_path)
@@ -1599,8 +1609,9 @@ def _train_one(
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
-        return {"accuracy": accuracy, "records": _complete_records(args, metrics_path, say),
-                "state": state, "skipped": [], "complete": True}  # fmt: skip
+        records = _complete_records(args, metrics_path, say, log_dir)
+        return {"accuracy": accuracy, "records": records, "state": state, "skipped": [],
+                "complete": True}  # fmt: skip
   try:
     history = History(metrics_path, resume_step=resume_step)
   except (OSError, ValueError) as e:

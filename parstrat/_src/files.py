@@ -7,8 +7,8 @@ import pathlib
 import tempfile
 
 
-def write_atomically(path: str | pathlib.Path, text: str) -> None:
-  """Writes `text` to `path` through a temporary file in the same folder and a rename.
+def write_atomically(path: str | pathlib.Path, text: str | bytes) -> None:
+  """Writes `text` (or bytes) to `path` through a temporary file in the same folder and a rename.
 
   Example:
     >>> import pathlib, tempfile
@@ -20,7 +20,7 @@ def write_atomically(path: str | pathlib.Path, text: str) -> None:
   path = pathlib.Path(path)
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
   try:
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import math
 import pathlib
+
+from parstrat._src import files
 
 
 def draw_training_report(runs: dict[str, list[dict]], path: str | pathlib.Path) -> None:
@@ -12,7 +15,8 @@ def draw_training_report(runs: dict[str, list[dict]], path: str | pathlib.Path) 
   Args:
     runs: run name -> the records `parstrat train` writes to metrics.jsonl
       (`{"step", "loss", ...}` per step and `{"step", "eval_accuracy"}` per epoch).
-    path: the PNG to write.
+    path: the PNG to write (its suffix names the format): written whole or not at
+      all, so a run killed while drawing it leaves no half picture.
   """
   import matplotlib
 
@@ -45,5 +49,9 @@ def draw_training_report(runs: dict[str, list[dict]], path: str | pathlib.Path) 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
+  picture = io.BytesIO()
+  try:
+    fig.savefig(picture, format=pathlib.Path(path).suffix.lstrip(".") or "png")
+  finally:
+    plt.close(fig)
+  files.write_atomically(path, picture.getvalue())
