@@ -814,6 +814,11 @@ def test_resume_with_another_model_fn_of_the_same_shapes_is_a_guarded_change(
     "resuming with a changed configuration: model_fn mymodel:model -> mymodel:tanh_model"
     in capsys.readouterr().out.splitlines()
   )
+  # The same file written another way (a job script that spells it out) is no change.
+  same = ["--dataset", f"{tmp_path}/mymodel.py:data", "--model-fn", "./mymodel.py:tanh_model"]
+  assert _user_run(tmp_path, monkeypatch, *flags[2:], *same, "--resume", "--steps", "6") == 0
+  out = capsys.readouterr().out
+  assert "resumed from" in out and "changed configuration" not in out
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):

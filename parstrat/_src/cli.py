@@ -1041,12 +1041,18 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
       f"{_resume_flag(args)}: the checkpoint was written with --seed {meta.get('seed')} "
       f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
     )
+  from parstrat._src import config
   from parstrat._src import run_data
 
   saved = dict(meta.get("config", {}))
   if saved.get("data_order") == run_data.SHUFFLED:  # (older parstrat wrote it for any data)
     saved["data_order"] = data.order
-  guarded, other = _config_changes(saved, _run_config(args, data))
+  current = _run_config(args, data)
+  for key in ("model_fn", "dataset", "data"):  # the same file written another way: no change
+    source = config.entry_point_source(current[key])
+    if source is not None and config.entry_point_source(saved.get(key)) == source:
+      saved[key] = current[key]
+  guarded, other = _config_changes(saved, current)
   if guarded and not args.allow_config_change:
     raise UsageError(
       f"{_resume_flag(args)}: the checkpoint was written with another configuration "

@@ -9,6 +9,7 @@ file: `package.module:function` or `path/to/file.py:function`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -179,25 +180,38 @@ def _import_file(path: pathlib.Path):
   return module
 
 
-def _import(target: str, flag: str, spec: str):
-  if target.endswith(".py") or "/" in target or "\\" in target:
-    path = pathlib.Path(target)
-    if not path.is_file():
-      raise ConfigError(f"{flag} {spec!r}: no file {target}")
-    return _import_file(path)
+def _is_file(target: str) -> bool:
+  """Whether an entry point's target names a file (`path/to/file.py`), not a module."""
+  return target.endswith(".py") or "/" in target or "\\" in target
+
+
+@contextlib.contextmanager
+def _cwd_on_path():
+  """The current directory on `sys.path` meanwhile, as `python -m` has it."""
   cwd = str(pathlib.Path.cwd())
   added = cwd not in sys.path
   if added:
     sys.path.insert(0, cwd)
   try:
-    return importlib.import_module(target)
-  except ModuleNotFoundError as e:
-    if e.name and target.startswith(e.name):
-      raise ConfigError(f"{flag} {spec!r}: no module named {e.name!r}") from None
-    raise
+    yield
   finally:
     if added:
       sys.path.remove(cwd)
+
+
+def _import(target: str, flag: str, spec: str):
+  if _is_file(target):
+    path = pathlib.Path(target)
+    if not path.is_file():
+      raise ConfigError(f"{flag} {spec!r}: no file {target}")
+    return _import_file(path)
+  with _cwd_on_path():
+    try:
+      return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+      if e.name and target.startswith(e.name):
+        raise ConfigError(f"{flag} {spec!r}: no module named {e.name!r}") from None
+      raise
 
 
 def import_module(target: str, flag: str, spec: str | None = None) -> Any:
@@ -215,6 +229,43 @@ def import_module(target: str, flag: str, spec: str | None = None) -> Any:
     raise
   except Exception as e:  # noqa: BLE001 - the user's code failed: say where, in one line
     raise ConfigError(f"{flag} {spec!r}: importing {target} failed: {type(e).__name__}: {e}") from e
+
+
+def entry_point_source(spec: Any) -> str | None:
+  """The file and name an entry point loads (`/absolute/file.py:name`), if found unimported.
+
+  `path/to/file.py:name` and `module:name` of the same file give the same answer,
+  however the path was written. A module is looked up as `load_object` imports
+  it (the current directory on the path); a submodule only where its package is
+  imported already.
+
+  Args:
+    spec: what `load_object` takes (anything else: None).
+
+  Returns:
+    The resolved file and the name, or None if the spec names no file that
+    can be found that way (a built-in dataset's name, a missing file).
+
+  Example:
+    >>> entry_point_source("mnist") is None
+    True
+  """
+  target, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+  if not sep or not target or not attr:
+    return None
+  if _is_file(target):
+    origin = target
+  elif "." in target and target.rpartition(".")[0] not in sys.modules:
+    origin = None  # (finding it would import its package)
+  else:
+    with _cwd_on_path():
+      try:
+        origin = getattr(importlib.util.find_spec(target), "origin", None)
+      except (ImportError, ValueError):
+        origin = None
+  if not origin or not pathlib.Path(origin).is_file():
+    return None
+  return f"{pathlib.Path(origin).resolve()}:{attr}"
 
 
 def load_object(spec: str, flag: str) -> Any:
