@@ -137,6 +137,14 @@ def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeyp
     capsys.readouterr().err
   )
   assert list(tmp_path.iterdir()) == [tmp_path / "run.toml"]
+  # A job's config file with resume-if-exists, and --resume given by hand: both named.
+  (tmp_path / "run.toml").write_text('checkpoint-dir = "ckpt"\nresume-if-exists = true\n')
+  assert cli.main(["train", "--config", "run.toml", "--resume"]) == 2
+  assert (
+    "--resume-if-exists (set in run.toml) with --resume: it resumes where there is a "
+    "checkpoint: drop --resume" in capsys.readouterr().err
+  )
+  assert list(tmp_path.iterdir()) == [tmp_path / "run.toml"]
 
 
 @pytest.mark.parametrize(

@@ -871,9 +871,15 @@ def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
     "--fresh-optimizer": "the optimizer would start anew at every leg's resume: resume "
     "once with --resume --fresh-optimizer",
   }
+  from_config = getattr(args, "from_config", ())
+
+  def named(flag: str) -> str:  # (a config file's key is named with the file)
+    key = flag[2:].replace("-", "_")
+    return f"{flag} (set in {args.config})" if key in from_config else flag
+
   for flag, why in clashes.items():
     if getattr(args, flag[2:].replace("-", "_")):
-      raise UsageError(f"--resume-if-exists with {flag}: {why}")
+      raise UsageError(f"{named('--resume-if-exists')} with {named(flag)}: {why}")
   if args.checkpoint_dir is None:
     raise UsageError("--resume-if-exists needs --checkpoint-dir")
   directory = pathlib.Path(args.checkpoint_dir)
