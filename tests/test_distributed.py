@@ -126,6 +126,60 @@ def test_a_process_stopped_by_a_signal_stops_the_other(tmp_path, signum):
     assert "interrupted: SIGINT in a process of several" in stopped_err
 
 
+def test_resume_if_exists_across_processes_starts_over_process_0s_leg_or_stops_them_all(
+  tmp_path,
+):
+  # Process 1 took process 0's metrics (its --metrics in --checkpoint-dir, left by a leg
+  # stopped before its first checkpoint) for another run's and stopped, while process 0
+  # went on into a collective and died there with a traceback, at every restart.
+  ckpt = tmp_path / "ckpt"
+  ckpt.mkdir()
+  (ckpt / "metrics_0.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+  (ckpt / "notes.txt").write_text("mine")
+
+  def legs():
+    port = _free_port()
+    procs = [
+      _launch(
+        [
+          "--steps",
+          "1",
+          "--checkpoint-dir",
+          str(ckpt),
+          "--resume-if-exists",
+          "--devices",
+          "4",
+          "--coordinator",
+          f"127.0.0.1:{port}",
+          "--num-processes",
+          "2",
+          "--process-id",
+          str(i),
+          "--join-timeout",
+          "60",
+        ],
+        ckpt / f"metrics_{i}.jsonl",
+      )  # fmt: skip
+      for i in range(2)
+    ]
+    return procs, _finish(procs, timeout=240)
+
+  procs, outputs = legs()  # a file no leg leaves: every process stops, in one line
+  assert [p.returncode for p in procs] == [2, 2], outputs
+  (_, err0), (_, err1) = outputs
+  assert "holds no checkpoint but " in err0 and "notes.txt (another run?)" in err0
+  assert "another process of the run refused its paths" in err1
+  for err in (err0, err1):  # (after the line that says it joins)
+    assert "Traceback" not in err and err.count("error:") == 1, err
+  (ckpt / "notes.txt").unlink()
+  procs, outputs = legs()  # only what process 0's stopped leg left: both start over it
+  assert [p.returncode for p in procs] == [0, 0], outputs
+  assert [r["step"] for r in map(json.loads, (ckpt / "metrics_0.jsonl").open()) if "loss" in r] == [
+    1
+  ]
+  assert not (ckpt / "metrics_1.jsonl").exists()  # (process 0 alone writes metrics)
+
+
 def test_a_missing_process_times_out_clearly(tmp_path):
   port = _free_port()
   alone = _launch(

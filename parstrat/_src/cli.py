@@ -792,8 +792,13 @@ def _previous_run(out: pathlib.Path, compare: str | None) -> str | None:
   return None
 
 
-def _check_paths(args: argparse.Namespace) -> None:
+def _check_paths(args: argparse.Namespace, primary: bool = True) -> None:
   """Finds the file-system problems of `train`'s flags before anything is loaded or trained.
+
+  `primary`: whether this is the process that writes the metrics, event files
+  and reports (process 0 of several), which alone tells a stopped leg's files
+  from another run's for `--resume-if-exists` (the others' `--metrics` and
+  `--out` are not written, and they cannot know process 0's).
 
   Raises:
     UsageError: for an empty path (an unset shell variable: the run would save
@@ -805,7 +810,7 @@ def _check_paths(args: argparse.Namespace) -> None:
   for key in ("checkpoint_dir", "out", "metrics", "data_dir"):
     _check_not_empty(args, key)
   if args.resume_if_exists:
-    _resolve_resume_if_exists(args)
+    _resolve_resume_if_exists(args, primary)
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
   if given == ["--overwrite"] and args.out is not None:
@@ -852,13 +857,14 @@ def _check_paths(args: argparse.Namespace) -> None:
     _check_writable_dir(path.parent, "--metrics")
 
 
-def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
+def _resolve_resume_if_exists(args: argparse.Namespace, primary: bool = True) -> None:
   """Turns `--resume-if-exists` into `--resume`, or where no checkpoint is, `--overwrite`.
 
   A leg killed before its first checkpoint leaves its metrics and event files
   (and unfinished saves and writes: see `_first_foreign`): the run starts
   afresh over them, as `--overwrite` would, with no checkpoint to delete;
-  anything else in `--checkpoint-dir` or `--out` is refused.
+  anything else in `--checkpoint-dir` or `--out` is refused, by the `primary`
+  process (the others start as it does, or stop with it: see `_join`).
 
   Raises:
     UsageError: without `--checkpoint-dir`, or with `--resume`, `--overwrite`
@@ -886,6 +892,9 @@ def _resolve_resume_if_exists(args: argparse.Namespace) -> None:
   runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
   if any(_holds_checkpoints(run) for run in runs):
     args.resume = True
+    return
+  if not primary:  # (what is there was left by process 0, whose --metrics it cannot know)
+    args.overwrite = True
     return
   folders, files = _leg_paths(args)
   anyway = "run once with --overwrite instead of --resume-if-exists to start there anyway"
@@ -1271,7 +1280,8 @@ def _join(args: argparse.Namespace) -> None:
 
   Raises:
     UsageError: an address that cannot be served, a bad process id or count,
-      processes with different numbers of devices or other flags.
+      processes with different numbers of devices or other flags, or paths
+      that any of them refuses (`_check_paths`: every process stops).
   """
 
   from parstrat._src import distributed
@@ -1299,7 +1309,21 @@ def _join(args: argparse.Namespace) -> None:
     raise UsageError(
       f"{e} Start every process with the same flags (only {allowed} may differ)."
     ) from None
-  _check_paths(args)  # (after joining: a process that stops here stops the others)
+  # After joining: the processes share whether one refused its paths, and all stop if
+  # one does (each with its own line), rather than leave the others in a collective.
+  problem = None
+  try:
+    _check_paths(args, primary=distributed.is_primary())
+  except UsageError as e:
+    problem = e
+  try:
+    distributed.check_same_everywhere("path checks", {"refused": str(problem is not None)})
+  except ValueError:
+    raise problem or UsageError(
+      "another process of the run refused its paths (its line says why): this one stops too"
+    ) from None
+  if problem is not None:
+    raise problem
 
 
 def train(args: argparse.Namespace) -> dict:
