@@ -5,8 +5,9 @@ steps, so XLA's CPU backend is told to skip LLVM's optimisation passes (about a
 quarter less compile time) and to emit fusions with its older loop emitters
 rather than the MLIR fusion emitters (about a third less CPU time for the whole
 suite again, measured on this machine), and to compile each program's LLVM module
-in one piece rather than split for a thread pool (two workers on two cores leave
-no thread idle: about an eighth less CPU time again). Every comparison (strategy
+in one piece rather than split into parts for a thread pool (with two workers on
+two cores the splitting costs more than the threads gain: about an eighth less
+CPU time again). Every comparison (strategy
 vs single-device jit, memory of one layout vs another) is between programs
 compiled the same way.
 
@@ -18,7 +19,8 @@ about a quarter less time again. A cache hit still counts as a compilation for
 `parstrat.testing.check_strategy` (JAX times a hit under the same event), so a
 recompile after the first step is caught either way.
 
-Subprocesses the tests start (the CLI, the examples) inherit both settings.
+Subprocesses the tests start (the CLI, the examples) inherit these settings,
+and the filter for JAX's warning about half a cache entry (below).
 """
 
 import atexit
@@ -53,13 +55,16 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # JAX writes a cache entry in place, so a process reading it meanwhile (the
 # other worker, a CLI subprocess, the other process of a two-process test) can
 # read half of it: JAX then warns "Error reading persistent compilation cache
-# entry ... truncated" and compiles the program itself, which is all a cache
-# miss costs. Silenced in the subprocesses here (in the workers by pyproject's
-# filterwarnings), where it would be a line more on a stderr some tests read.
+# entry ... truncated" and compiles the program itself, as on a miss (a writer
+# killed mid-entry leaves it half written for the session: a miss each time).
+# Silenced through PYTHONWARNINGS, which the workers and the subprocesses here
+# inherit (and pyproject's filterwarnings), where it would be a line more on an
+# output some tests read.
 _CACHE_READ = "ignore:Error reading persistent compilation cache entry:UserWarning"
-os.environ["PYTHONWARNINGS"] = ",".join(
-  filter(None, [os.environ.get("PYTHONWARNINGS", ""), _CACHE_READ])
-)
+if _CACHE_READ not in os.environ.get("PYTHONWARNINGS", "").split(","):
+  os.environ["PYTHONWARNINGS"] = ",".join(
+    filter(None, [os.environ.get("PYTHONWARNINGS", ""), _CACHE_READ])
+  )
 
 import parstrat.testing  # noqa: E402
 

@@ -165,7 +165,17 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   middle = len(raw) // 2 - 2048
   raw[middle : middle + 4096] = bytes(b ^ 0xFF for b in raw[middle : middle + 4096])
   data.write_bytes(bytes(raw))
-  assert cli.main([*flags, "--steps", "22", "--resume"]) == 0
+  restore = Checkpointer.restore
+
+  def restore_with_a_warning(self, *args, **kwargs):
+    warnings.warn("a warning silenced by the user", UserWarning, stacklevel=1)
+    return restore(self, *args, **kwargs)
+
+  monkeypatch.setattr(Checkpointer, "restore", restore_with_a_warning)
+  with warnings.catch_warnings():  # (as -W or PYTHONWARNINGS: it stays silenced)
+    warnings.filterwarnings("ignore", "a warning silenced by")
+    assert cli.main([*flags, "--steps", "22", "--resume"]) == 0
+  monkeypatch.setattr(Checkpointer, "restore", restore)
   out = capsys.readouterr().out
   warning = [line for line in out.splitlines() if line.startswith("warning:")]
   assert len(warning) == 1 and "step 20 has state/" in warning[0]

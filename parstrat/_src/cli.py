@@ -1173,7 +1173,14 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     except CheckpointError:  # a damaged newest checkpoint: restore falls back past it
       changes = None
     with warnings.catch_warnings(record=True) as caught:
+      # Each warning of the restore, once more if shown before, as a line of the run's
+      # output; what is silenced (-W, PYTHONWARNINGS, a test session's filterwarnings)
+      # stays silenced.
+      silenced = [f for f in warnings.filters if f[0] == "ignore"]
       warnings.simplefilter("always")
+      pattern = lambda regex: "" if regex is None else regex.pattern  # noqa: E731
+      for _, message, category, module, lineno in reversed(silenced):
+        warnings.filterwarnings("ignore", pattern(message), category, pattern(module), lineno)
       try:
         state, meta = ckpt.restore(trainer, fresh_optimizer=args.fresh_optimizer)
       except OptimizerDoesNotFit as e:
