@@ -115,6 +115,8 @@ def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path
     (["train", "--checkpoint-dir", "", "--overwrite"], "--checkpoint-dir is an empty path ('':"),
     (["train", "--out", " "], "--out is an empty path (' ':"),
     (["train", "--metrics", ""], "--metrics is an empty path"),
+    # (a traceback before; with several processes, the others' too, in their collective)
+    (["train", "--metrics", f"{'a' * 300}/m.jsonl"], "cannot check the paths given: [Errno 36]"),
     (["schedule", "--stages", "2", "--microbatches", "2", "--csv", ""], "--csv is an empty path"),
   ],
 )

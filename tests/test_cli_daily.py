@@ -819,6 +819,18 @@ def test_resume_with_another_model_fn_of_the_same_shapes_is_a_guarded_change(
   assert _user_run(tmp_path, monkeypatch, *flags[2:], *same, "--resume", "--steps", "6") == 0
   out = capsys.readouterr().out
   assert "resumed from" in out and "changed configuration" not in out
+  # Another folder's file of the same name is another model: the checkpoint recorded the
+  # file the relative path named then, not the one it names from here.
+  (other := tmp_path / "other").mkdir()
+  (other / "mymodel.py").write_text(f"{USER_FILE}\n\ntanh_model = model  # (a relu one)\n")
+  monkeypatch.chdir(other)
+  args = ["train", "--epochs", "1", "--batch-size", "8", "--no-progress", "--devices", "2",
+          "--checkpoint-dir", "../ckpt", "--dataset", f"{tmp_path}/mymodel.py:data",
+          "--model-fn", f"{other}/mymodel.py:tanh_model", "--resume", "--steps", "8"]  # fmt: skip
+  assert cli.main(args) == 2
+  assert f"model_fn ./mymodel.py:tanh_model -> {other}/mymodel.py:tanh_model" in (
+    capsys.readouterr().err
+  )
 
 
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):
@@ -920,6 +932,13 @@ def test_resume_if_exists_starts_a_job_then_resumes_it_with_the_same_command(
   ((name, records),) = drawn[0].items()  # (drawn once)
   assert len(drawn) == 1 and [(r["step"], r["loss"]) for r in records if "loss" in r] == rows(
     "straight"
+  )
+  (tmp_path / "ckpt" / "report.png").unlink()  # and its metrics gone: no blank picture
+  (tmp_path / "ckpt" / "metrics.jsonl").unlink()
+  assert _user_run(tmp_path, monkeypatch, *job, "--steps", "6") == 0
+  assert len(drawn) == 1 and (
+    "report: ckpt/report.png not drawn: this complete run has no metrics to draw it from"
+    in capsys.readouterr().out.splitlines()
   )
   for clash, why in [
     ("--resume", "it resumes where there is a checkpoint: drop --resume"),

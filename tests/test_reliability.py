@@ -110,6 +110,22 @@ def test_a_nonfinite_metric_is_strict_json_null_and_still_drawn(tmp_path):
   assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_files_written_whole_have_the_mode_a_plain_write_gives(tmp_path):
+  # Through mkstemp, reports and metrics were 0600: unreadable in a group's results folder.
+  from parstrat._src import files
+
+  umask = os.umask(0o027)
+  try:
+    files.write_atomically(tmp_path / "report.png", b"\x89PNG")
+  finally:
+    os.umask(umask)
+  assert (tmp_path / "report.png").stat().st_mode & 0o777 == 0o640
+  (tmp_path / "metrics.jsonl").write_text("")
+  (tmp_path / "metrics.jsonl").chmod(0o604)
+  files.write_atomically(tmp_path / "metrics.jsonl", "{}\n")  # (a file replaced: its mode)
+  assert (tmp_path / "metrics.jsonl").stat().st_mode & 0o777 == 0o604
+
+
 def test_a_report_interrupted_while_drawn_leaves_the_one_before(tmp_path, monkeypatch):
   # matplotlib wrote the picture in place: a run killed while drawing it left half a PNG.
   import matplotlib.figure
@@ -167,17 +183,21 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   data.write_bytes(bytes(raw))
   restore = Checkpointer.restore
 
-  def restore_with_a_warning(self, *args, **kwargs):
+  def restore_with_warnings(self, *args, **kwargs):
     warnings.warn("a warning silenced by the user", UserWarning, stacklevel=1)
+    warnings.warn("a warning silenced but then asked for", UserWarning, stacklevel=1)
     return restore(self, *args, **kwargs)
 
-  monkeypatch.setattr(Checkpointer, "restore", restore_with_a_warning)
-  with warnings.catch_warnings():  # (as -W or PYTHONWARNINGS: it stays silenced)
-    warnings.filterwarnings("ignore", "a warning silenced by")
+  monkeypatch.setattr(Checkpointer, "restore", restore_with_warnings)
+  with warnings.catch_warnings():  # (as -W or PYTHONWARNINGS give them: they stay so)
+    warnings.filterwarnings("ignore", "a warning silenced")
+    warnings.filterwarnings("always", "a warning silenced but")  # (in front: it wins)
     assert cli.main([*flags, "--steps", "22", "--resume"]) == 0
   monkeypatch.setattr(Checkpointer, "restore", restore)
   out = capsys.readouterr().out
   warning = [line for line in out.splitlines() if line.startswith("warning:")]
+  assert warning[0] == "warning: a warning silenced but then asked for"
+  warning = warning[1:]
   assert len(warning) == 1 and "step 20 has state/" in warning[0]
   assert "with a different checksum than was written; restored step 15" in warning[0]
   assert "resumed from" in out and "at step 15" in out

@@ -795,6 +795,9 @@ def _previous_run(out: pathlib.Path, compare: str | None) -> str | None:
 def _check_paths(args: argparse.Namespace, primary: bool = True) -> None:
   """Finds the file-system problems of `train`'s flags before anything is loaded or trained.
 
+  A path the system will not even look at (a name too long, a folder it may not
+  read) is told in one line too.
+
   `primary`: whether this is the process that writes the metrics, event files
   and reports (process 0 of several), which alone tells a stopped leg's files
   from another run's for `--resume-if-exists` (the others' `--metrics` and
@@ -805,8 +808,15 @@ def _check_paths(args: argparse.Namespace, primary: bool = True) -> None:
       nothing), checkpoint flags without `--checkpoint-dir`, a path that
       is a file where a directory is needed (or the other way round), a
       missing or unwritable directory, or a non-empty checkpoint directory
-      without `--resume` or `--overwrite`.
+      without `--resume` or `--overwrite`; an OSError of the checks.
   """
+  try:
+    _check_paths_of(args, primary)
+  except OSError as e:
+    raise UsageError(f"cannot check the paths given: {e}") from None
+
+
+def _check_paths_of(args: argparse.Namespace, primary: bool) -> None:
   for key in ("checkpoint_dir", "out", "metrics", "data_dir"):
     _check_not_empty(args, key)
   if args.resume_if_exists:
@@ -1010,6 +1020,8 @@ def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
 
 def _run_config(args: argparse.Namespace, data) -> dict:
   """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
+  from parstrat._src import config
+
   cosine = args.lr_schedule == "cosine"
   return {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
           "schedule_steps": _schedule_steps(args, data) if cosine else None,
@@ -1017,6 +1029,9 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
           "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
+          # (the files they load, for a resume that names them another way)
+          "model_fn_source": config.entry_point_source(args.model_fn),
+          "dataset_source": config.entry_point_source(args.dataset),
           "data_batches_per_epoch": data.steps_per_epoch,
           "data_first_example": data.example_hash,
           "data_order": data.order}  # fmt: skip
@@ -1063,10 +1078,18 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
   if saved.get("data_order") == run_data.SHUFFLED:  # (older parstrat wrote it for any data)
     saved["data_order"] = data.order
   current = _run_config(args, data)
-  for key in ("model_fn", "dataset", "data"):  # the same file written another way: no change
-    source = config.entry_point_source(current[key])
-    if source is not None and config.entry_point_source(saved.get(key)) == source:
+  # The same file written another way is no change. What the checkpoint's run loaded is
+  # the file it found then (an older checkpoint's: only an absolute path tells it).
+  for key in ("model_fn", "dataset"):
+    source = saved.get(f"{key}_source")
+    if source is None and pathlib.Path(str(saved.get(key)).rpartition(":")[0]).is_absolute():
+      source = config.entry_point_source(saved.get(key))
+    if source is not None and source == current[f"{key}_source"]:
+      if key == "dataset" and saved.get("data") == saved.get("dataset"):  # (described by it)
+        saved["data"] = current["data"]
       saved[key] = current[key]
+    if saved.get(key) != current[key]:  # (said by the key itself)
+      saved.pop(f"{key}_source", None)
   guarded, other = _config_changes(saved, current)
   if guarded and not args.allow_config_change:
     raise UsageError(
@@ -1175,12 +1198,13 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     with warnings.catch_warnings(record=True) as caught:
       # Each warning of the restore, once more if shown before, as a line of the run's
       # output; what is silenced (-W, PYTHONWARNINGS, a test session's filterwarnings)
-      # stays silenced.
-      silenced = [f for f in warnings.filters if f[0] == "ignore"]
+      # stays silenced: the filters in their order, any action but "ignore" as "always".
+      given = list(warnings.filters)
       warnings.simplefilter("always")
-      pattern = lambda regex: "" if regex is None else regex.pattern  # noqa: E731
-      for _, message, category, module, lineno in reversed(silenced):
-        warnings.filterwarnings("ignore", pattern(message), category, pattern(module), lineno)
+      pattern = lambda regex: getattr(regex, "pattern", regex) or ""  # noqa: E731
+      for action, message, category, module, lineno in reversed(given):
+        action = "ignore" if action == "ignore" else "always"  # noqa: PLW2901
+        warnings.filterwarnings(action, pattern(message), category, pattern(module), lineno)
       try:
         state, meta = ckpt.restore(trainer, fresh_optimizer=args.fresh_optimizer)
       except OptimizerDoesNotFit as e:
@@ -1460,12 +1484,16 @@ def train(args: argparse.Namespace) -> dict:
     )  # fmt: skip
   picture = None if out is None else out / ("compare.png" if args.compare else "report.png")
   complete = all(r.get("complete") for r in runs.values())
+  records = {n: r["records"] for n, r in runs.items()}
   if picture is not None and primary and not (complete and picture.exists()):
     # (a complete run draws it only if missing: the leg that ended was killed drawing it)
     from parstrat._src import report
 
-    report.draw_training_report({n: r["records"] for n, r in runs.items()}, picture)
-    say(f"report: {picture}")
+    if complete and not any(records.values()):  # (its metrics deleted, or elsewhere)
+      say(f"report: {picture} not drawn: this complete run has no metrics to draw it from")
+    else:
+      report.draw_training_report(records, picture)
+      say(f"report: {picture}")
   return runs
 
 

@@ -21,6 +21,8 @@ def write_atomically(path: str | pathlib.Path, text: str | bytes) -> None:
   fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
   try:
     with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
+      # The mode of the file it replaces, or of a new file (mkstemp's is 0600).
+      os.fchmod(f.fileno(), path.stat().st_mode & 0o7777 if path.exists() else _new_mode())
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
@@ -28,3 +30,16 @@ def write_atomically(path: str | pathlib.Path, text: str | bytes) -> None:
   except BaseException:
     pathlib.Path(tmp).unlink(missing_ok=True)
     raise
+
+
+def _new_mode() -> int:
+  """The mode `open(path, "w")` gives a new file: 0666 less the process's umask."""
+  try:  # (Linux tells it; setting it to read it would change it for other threads meanwhile)
+    status = pathlib.Path("/proc/self/status").read_text()
+    umask = int(
+      next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8
+    )
+  except (OSError, StopIteration, ValueError, IndexError):
+    umask = os.umask(0o022)
+    os.umask(umask)
+  return 0o666 & ~umask
