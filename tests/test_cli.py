@@ -174,19 +174,24 @@ def test_list_imports_strategies_of_ones_own(tmp_path, capsys):
   mine = tmp_path / "my_strategies.py"
   mine.write_text(
     "import parstrat\n\n"
-    "@parstrat.register('my_data_parallel')\n"
+    "@parstrat.register('my_own_two_level_data_parallel')\n"
     "class Mine(parstrat.DataParallel):\n"
     '  """Data parallelism of my own."""\n'
   )
   try:
     assert cli.main(["list", "--import", str(mine)]) == 0
-    assert "my_data_parallel axes: data                 Data parallelism of my own." in (
-      capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+      "my_own_two_level_data_parallel axes: data                 Data parallelism of my own."
+      in (lines)
     )
-    assert cli.main(["train", "--import", str(mine), "--strategy", "my_data_paralel"]) == 2
+    assert len({line.index(" axes: ") for line in lines}) == 1  # (a long name: columns aligned)
+    assert (
+      cli.main(["train", "--import", str(mine), "--strategy", "my_own_two_level_data_paralel"]) == 2
+    )
     assert f"(--import {mine} registered no such name.)" in capsys.readouterr().err
   finally:
-    parstrat.unregister("my_data_parallel")
+    parstrat.unregister("my_own_two_level_data_parallel")
 
 
 def test_train_auto_prints_its_choice(capsys):

@@ -2009,11 +2009,15 @@ def schedule(args: argparse.Namespace) -> None:
 def list_strategies() -> None:
   import parstrat
 
+  rows = []
   for name in parstrat.available():
     cls = parstrat._src.registry.lookup(name)
     doc = (cls.__doc__ or "").strip().splitlines()
     axes = "chosen" if cls.deferred else ", ".join(cls.axis_names) or "-"
-    print(f"{name:<16} axes: {axes:<20} {doc[0] if doc else ''}")
+    rows.append((name, f"axes: {axes}", doc[0] if doc else ""))
+  widths = [max(16, *(len(r[0]) for r in rows)), max(26, *(len(r[1]) for r in rows))]
+  for name, axes, doc in rows:  # (columns as wide as a strategy of your own needs)
+    print(f"{name:<{widths[0]}} {axes:<{widths[1]}} {doc}".rstrip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
