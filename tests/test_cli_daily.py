@@ -581,6 +581,9 @@ def test_train_runs_the_new_schedules_with_the_same_losses(tmp_path, capsys):
 def _user_run(tmp_path, monkeypatch, *flags) -> int:
   (tmp_path / "mymodel.py").write_text(USER_FILE)
   monkeypatch.chdir(tmp_path)
+  # This test's own mymodel.py, not the module of that name an earlier test imported
+  # (the same code from another file: checkpoints record which file each run loaded).
+  monkeypatch.delitem(sys.modules, "mymodel", raising=False)
   return cli.main(["train", "--epochs", "1", "--steps", "2", "--batch-size", "8",
                    "--no-progress", "--devices", "2", *flags])  # fmt: skip
 
