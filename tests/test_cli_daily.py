@@ -1034,6 +1034,42 @@ def test_an_older_checkpoints_data_order_is_not_a_change():
   ]
 
 
+def test_a_model_fn_is_compared_by_the_file_only_where_its_spelling_changed(tmp_path, monkeypatch):
+  # The files a checkpoint's run loaded forgive another spelling of them; they never
+  # make a change of their own (a moved or copied project is the same run), and an
+  # older checkpoint's relative path is not resolved from the resume's folder.
+  for folder in ("a", "b"):
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "mymodel.py").write_text(USER_FILE)
+  monkeypatch.chdir(tmp_path / "b")
+  monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+
+  def changes(saved_model_fn, saved_source, model_fn):
+    args = cli.build_parser().parse_args(["train", "--model-fn", model_fn])
+    data = run_data.RunData(
+      description="sample", train_epoch=lambda epoch: [], steps_per_epoch=8,
+      eval_batches=None, example=(np.zeros((1, 12)), np.zeros((1,))), order="shuffled",
+    )  # fmt: skip
+    saved = {**cli._run_config(args, data), "model_fn": saved_model_fn}
+    saved["model_fn_source"] = saved_source
+    if saved_source is None:  # (an older checkpoint: no sources)
+      del saved["model_fn_source"], saved["dataset_source"]
+    meta = {"seed": args.seed, "batch_size": args.batch_size, "config": saved}
+    try:
+      return cli._resumable_changes(args, meta, data)
+    except cli.UsageError as e:
+      return str(e)
+
+  a, b = (f"{tmp_path / folder}/mymodel.py:model" for folder in ("a", "b"))
+  assert changes("mymodel:model", a, "mymodel:model") == []  # (the project moved from a)
+  assert changes("mymodel:model", b, "./mymodel.py:model") == []  # (spelled another way)
+  assert "model_fn mymodel:model -> ./mymodel.py:model" in changes(
+    "mymodel:model", a, "./mymodel.py:model"
+  )  # (a's file then, b's now)
+  assert changes(a.replace("/a/", "/b/../b/"), None, b) == []  # (older: absolute resolved)
+  assert "model_fn ./mymodel.py:model -> " in changes("./mymodel.py:model", None, b)
+
+
 def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
   # The evaluation called trainer.apply without rng: a dropout model crashed at epoch end.
   keys = []

@@ -1018,10 +1018,19 @@ def _check_writable_dir(path: pathlib.Path, flag: str) -> None:
     raise UsageError(f"{flag} {path}: cannot write in {existing}: {e.strerror or e}") from None
 
 
-def _run_config(args: argparse.Namespace, data) -> dict:
-  """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
+def _entry_point_sources(args: argparse.Namespace) -> dict:
+  """The files `--model-fn` and `--dataset` loaded (`train` finds them once, after loading)."""
   from parstrat._src import config
 
+  if not hasattr(args, "entry_point_sources"):
+    return {
+      f"{k}_source": config.entry_point_source(getattr(args, k)) for k in ("model_fn", "dataset")
+    }
+  return args.entry_point_sources
+
+
+def _run_config(args: argparse.Namespace, data) -> dict:
+  """What a checkpoint records of the run, beyond the model's shapes (which orbax records)."""
   cosine = args.lr_schedule == "cosine"
   return {"optimizer": args.optimizer, "lr": args.lr, "lr_schedule": args.lr_schedule,
           "schedule_steps": _schedule_steps(args, data) if cosine else None,
@@ -1029,9 +1038,7 @@ def _run_config(args: argparse.Namespace, data) -> dict:
           "clip_norm": args.clip_norm, "precision": args.precision or "float32",
           "accumulate": args.accumulate, "batch_size": args.batch_size, "seed": args.seed,
           "dataset": args.dataset, "data": data.description, "model_fn": args.model_fn,
-          # (the files they load, for a resume that names them another way)
-          "model_fn_source": config.entry_point_source(args.model_fn),
-          "dataset_source": config.entry_point_source(args.dataset),
+          **_entry_point_sources(args),
           "data_batches_per_epoch": data.steps_per_epoch,
           "data_first_example": data.example_hash,
           "data_order": data.order}  # fmt: skip
@@ -1079,17 +1086,17 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
     saved["data_order"] = data.order
   current = _run_config(args, data)
   # The same file written another way is no change. What the checkpoint's run loaded is
-  # the file it found then (an older checkpoint's: only an absolute path tells it).
+  # the file it found then (an older checkpoint's: only an absolute path tells it). The
+  # files only forgive another spelling: the same spelling is compared as written (the
+  # same code in another folder, a copied or moved project, is no change).
   for key in ("model_fn", "dataset"):
-    source = saved.get(f"{key}_source")
+    source = saved.pop(f"{key}_source", None)
     if source is None and pathlib.Path(str(saved.get(key)).rpartition(":")[0]).is_absolute():
       source = config.entry_point_source(saved.get(key))
     if source is not None and source == current[f"{key}_source"]:
       if key == "dataset" and saved.get("data") == saved.get("dataset"):  # (described by it)
         saved["data"] = current["data"]
       saved[key] = current[key]
-    if saved.get(key) != current[key]:  # (said by the key itself)
-      saved.pop(f"{key}_source", None)
   guarded, other = _config_changes(saved, current)
   if guarded and not args.allow_config_change:
     raise UsageError(
@@ -1449,6 +1456,9 @@ def train(args: argparse.Namespace) -> dict:
         say(f"--hidden {widths}: not used, the model is --model-fn {args.model_fn}")
   except ValueError as e:  # ConfigError is a ValueError
     raise UsageError(str(e)) from None
+  # The files they loaded, found once: checkpoints record them (see _resumable_changes).
+  args.entry_point_sources = {f"{key}_source": config.entry_point_source(getattr(args, key))
+                              for key in ("model_fn", "dataset")}  # fmt: skip
   say(f"data: {data.description}")
   try:  # (each process reads the data itself: from its own --data-dir, its own tfds)
     distributed.check_same_everywhere("data", _data_fingerprint(data))

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
-import tempfile
+import secrets
 
 
 def write_atomically(path: str | pathlib.Path, text: str | bytes) -> None:
   """Writes `text` (or bytes) to `path` through a temporary file in the same folder and a rename.
+
+  The new file gets the mode a plain write gives (the umask, a folder's default
+  ACL), or keeps the one of the file it replaces where the file system allows.
 
   Example:
     >>> import pathlib, tempfile
@@ -18,28 +22,30 @@ def write_atomically(path: str | pathlib.Path, text: str | bytes) -> None:
     'hello'
   """
   path = pathlib.Path(path)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+  fd, tmp = _create_beside(path)
   try:
     with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-      # The mode of the file it replaces, or of a new file (mkstemp's is 0600).
-      os.fchmod(f.fileno(), path.stat().st_mode & 0o7777 if path.exists() else _new_mode())
+      if path.exists():
+        with contextlib.suppress(OSError):  # (a file system that refuses chmod)
+          os.fchmod(f.fileno(), path.stat().st_mode & 0o7777)
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
   except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
+    tmp.unlink(missing_ok=True)
     raise
 
 
-def _new_mode() -> int:
-  """The mode `open(path, "w")` gives a new file: 0666 less the process's umask."""
-  try:  # (Linux tells it; setting it to read it would change it for other threads meanwhile)
-    status = pathlib.Path("/proc/self/status").read_text()
-    umask = int(
-      next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8
-    )
-  except (OSError, StopIteration, ValueError, IndexError):
-    umask = os.umask(0o022)
-    os.umask(umask)
-  return 0o666 & ~umask
+def _create_beside(path: pathlib.Path) -> tuple[int, pathlib.Path]:
+  """A new file `.NAME-XXXXXXXX` in `path`'s folder, opened for writing, as `open` makes it.
+
+  (Not `tempfile.mkstemp`, whose files are 0600 whatever the umask.)
+  """
+  for _ in range(100):
+    tmp = path.with_name(f".{path.name}-{secrets.token_hex(4)}")
+    try:
+      return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    except FileExistsError:
+      continue
+  raise FileExistsError(f"no free temporary name beside {path}")
