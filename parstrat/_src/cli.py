@@ -839,7 +839,7 @@ def _check_paths_of(args: argparse.Namespace, primary: bool) -> None:
   if args.checkpoint_dir is not None:
     directory = pathlib.Path(args.checkpoint_dir)
     _check_writable_dir(directory, "--checkpoint-dir")
-    runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
+    runs = _run_dirs(args, directory)
     if args.resume and not any(_holds_checkpoints(run) for run in runs):
       raise UsageError(  # (nothing created)
         f"--resume: no checkpoint in {directory} (--resume-if-exists starts there when there "
@@ -899,7 +899,7 @@ def _resolve_resume_if_exists(args: argparse.Namespace, primary: bool = True) ->
   if args.checkpoint_dir is None:
     raise UsageError("--resume-if-exists needs --checkpoint-dir")
   directory = pathlib.Path(args.checkpoint_dir)
-  runs = [directory / n for n in _compare_names(args)] if args.compare else [directory]
+  runs = _run_dirs(args, directory)
   if any(_holds_checkpoints(run) for run in runs):
     args.resume = True
     return
@@ -989,12 +989,22 @@ def _leg_paths(args: argparse.Namespace) -> tuple[frozenset, frozenset]:
   if args.metrics:
     given = pathlib.Path(args.metrics).resolve()
     files.add(given)
-    files.update(given.with_name(f"{given.stem}.{n}{given.suffix}") for n in names)
+    files.update(_strategy_metrics(given, n) for n in names)
     bases = set(folders)
     for parent in given.parents:  # (--metrics ckpt/logs/m.jsonl: ckpt/logs is the run's)
       if any(parent.is_relative_to(base) and parent != base for base in bases):
         folders.add(parent)
   return frozenset(folders), frozenset(files)
+
+
+def _run_dirs(args: argparse.Namespace, directory: pathlib.Path) -> list[pathlib.Path]:
+  """Where the run's checkpoints go under `directory`: a folder per `--compare` strategy."""
+  return [directory / n for n in _compare_names(args)] if args.compare else [directory]
+
+
+def _strategy_metrics(path: pathlib.Path, name: str) -> pathlib.Path:
+  """`--compare`'s metrics file of strategy `name`: m.jsonl -> m.<name>.jsonl."""
+  return path.with_name(f"{path.stem}.{name}{path.suffix}")
 
 
 def _holds_checkpoints(path: pathlib.Path) -> bool:
@@ -1478,9 +1488,8 @@ def train(args: argparse.Namespace) -> dict:
   runs = {}
   for name, strategy in strategies.items():
     metrics_path = args.metrics
-    if args.compare and metrics_path is not None:  # m.jsonl -> m.data_parallel.jsonl, ...
-      given = pathlib.Path(metrics_path)
-      metrics_path = given.with_name(f"{given.stem}.{name}{given.suffix}")
+    if args.compare and metrics_path is not None:
+      metrics_path = _strategy_metrics(pathlib.Path(metrics_path), name)
     run_dir = None
     if out is not None:
       run_dir = out / name if args.compare else out
