@@ -80,8 +80,9 @@ STRATEGIES = {
 }
 
 MATCH = "match"
-#: The pipeline stores each stage's params as one flat buffer: per-leaf optimizers are refused.
-FLAT_BUFFER = "the optimizer does not act leaf by leaf"
+#: With a "model" axis the stage buffers are split over it and have no view in the
+#: model's layout: per-leaf optimizers are refused (without one they run on that view).
+SPLIT_OVER_MODEL = "split over its 'model' axis, and the optimizer does not act leaf by leaf"
 #: The pipeline passes no PRNG key to the model.
 NO_RNG = "cannot train a model that calls hk.next_rng_key()"
 #: A tied LM head reuses the embedding across any cut.
@@ -118,7 +119,7 @@ EXPECTED = {
   ("tensor:4", "dropout", "sgd_momentum"): MATCH,
   # pipeline
   ("pipeline:4,gpipe", "mlp", "multisteps"): MATCH,
-  ("pipeline:2", "mlp_layernorm", "adamw_mask"): FLAT_BUFFER,
+  ("pipeline:2", "mlp_layernorm", "adamw_mask"): MATCH,
   ("pipeline:4,gpipe", "residual_mlp", "adam"): MATCH,
   ("pipeline:2", "cnn", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "lm", "clip_sgd"): TIED_REFUSAL,
@@ -130,11 +131,13 @@ EXPECTED = {
   ("pipeline:4,gpipe", "dropout", "sgd_momentum"): NO_RNG,
   ("pipeline:4,zb_h1", "residual_mlp", "clip_sgd"): MATCH,
   ("pipeline:4,zb_h1", "mlp", "adam"): MATCH,
+  ("pipeline:4,zb_h1", "lm_untied", "adamw_mask"): MATCH,
   ("pipeline:2,zb_h1,dots", "lm_untied", "sgd_momentum"): MATCH,
   ("pipeline:2,zb_h1,dots", "cnn", "multisteps"): MATCH,
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
-  ("hybrid:4x2", "mlp_layernorm", "adamw_mask"): FLAT_BUFFER,
+  ("hybrid:4x2", "mlp_layernorm", "adamw_mask"): MATCH,
+  ("hybrid:2x2x2", "lm_untied", "adamw_mask"): SPLIT_OVER_MODEL,
   ("hybrid:2x2x2", "residual_mlp", "clip_sgd"): MATCH,
   ("hybrid:4x2", "cnn", "multisteps"): MATCH,
   ("hybrid:4x2", "lm", "sgd_momentum"): TIED_REFUSAL,

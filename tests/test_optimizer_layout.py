@@ -98,20 +98,42 @@ ELEMENT_WISE = {
 
 FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]
 
+#: Pipelines whose stage buffers have a view in the model's layout (no "model" axis):
+#: one stage per device, two virtual stages per device, and data x stage.
+VIEWED = [
+  parstrat.PipelineModelParallel(stages=2),
+  parstrat.PipelineModelParallel(stages=2, schedule="interleaved_1f1b", virtual_stages=2),
+  parstrat.Hybrid(data=2, stages=2, schedule="zb_h1"),
+]
+
+#: Split over "model" as well: no view, so per-leaf transforms are refused.
+SPLIT = parstrat.Hybrid(data=2, stages=2, model=2)
+
 
 def _init(strategy, optimizer):
   trainer = strategy(MODEL, optimizer)
   return trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
 
 
-@pytest.mark.parametrize("strategy", FLAT, ids=repr)
 @pytest.mark.parametrize("name", sorted(PER_LEAF))
-def test_per_leaf_transforms_are_refused_on_flat_stage_buffers(strategy, name):
+def test_per_leaf_transforms_are_refused_on_stage_buffers_split_over_model(name):
   with pytest.raises(ValueError) as e:
-    _init(strategy, PER_LEAF[name])
+    _init(SPLIT, PER_LEAF[name])
   message = str(e.value)
-  assert message.startswith(f"{strategy!r} stores each pipeline stage's parameters as one flat")
-  assert "not supported on that flat layout: use data_parallel, fsdp or tensor" in message
+  assert message.startswith(f"{SPLIT!r} stores each pipeline stage's parameters as flat buffers")
+  assert "split over its 'model' axis" in message
+  assert "use pipeline or hybrid without a model axis (model=1)" in message
+
+
+@pytest.mark.parametrize("name", sorted(PER_LEAF))
+def test_per_leaf_transforms_train_like_jit_on_the_model_layout(name):
+  # Each optimizer once, the three layouts in turn: the optimizer runs on the
+  # model's leaves (the plan's view), its state kept there, sharded over "stage".
+  strategy = VIEWED[sorted(PER_LEAF).index(name) % len(VIEWED)]
+  optimizer = PER_LEAF[name]
+  parstrat.testing.check_strategy(
+    strategy, MODEL, {name: optimizer}, steps=3, batch=8, features=FEATURES, atol=1e-4
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,13 +167,90 @@ def test_a_layout_of_ones_own_is_named_as_such_and_must_round_trip():
 
 def test_the_haiku_name_mask_failure_is_reported():
   with pytest.raises(ValueError, match="on the flat layout it fails: "):
-    _init(parstrat.PipelineModelParallel(stages=2), PER_LEAF["haiku name mask"])
+    _init(SPLIT, PER_LEAF["haiku name mask"])
 
 
 @pytest.mark.parametrize("strategy", FLAT, ids=repr)
 @pytest.mark.parametrize("name", sorted(ELEMENT_WISE))
 def test_element_wise_optimizers_pass_the_probe(strategy, name):
-  _init(strategy, ELEMENT_WISE[name])
+  # They run on the stage buffers themselves: no view, no moves.
+  trainer = strategy(MODEL, ELEMENT_WISE[name])
+  state = trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  assert trainer.plan.optimizer_view is None
+  assert jax.tree.structure(state.opt_state) == jax.tree.structure(
+    jax.eval_shape(ELEMENT_WISE[name].init, state.params)
+  )
+
+
+def _per_device_elements(tree):
+  """Elements one device holds of `tree`'s arrays (from their shardings)."""
+  return sum(
+    int(np.prod(x.sharding.shard_shape(x.shape)))
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, "sharding")
+  )
+
+
+@pytest.mark.parametrize("strategy", VIEWED, ids=repr)
+def test_a_per_leaf_optimizer_state_is_in_the_model_layout_sharded_over_stage(strategy):
+  trainer = strategy(MODEL, MASKED_ADAMW)
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  assert trainer.plan.optimizer_view is not None
+  params = trainer.params(state)
+  adam = state.opt_state[0]
+  assert jax.tree.structure(adam.mu) == jax.tree.structure(params)
+  stages = trainer.mesh.shape["stage"]
+  for (path, mu), param in zip(
+    jax.tree_util.tree_leaves_with_path(adam.mu), jax.tree.leaves(params), strict=True
+  ):
+    assert mu.shape == param.shape, path
+    spec = tuple(mu.sharding.spec)
+    # Split over "stage" along a dimension it divides, or whole where none does.
+    if any(n % stages == 0 for n in param.shape):
+      assert "stage" in spec, (path, spec)
+      assert mu.addressable_shards[0].data.size == param.size // stages, path
+    else:
+      assert "stage" not in spec, (path, spec)
+  # Each device holds about 1/stages of the moments (whole: 10 biases of the head).
+  whole = sum(x.size for x in jax.tree.leaves(params))
+  assert _per_device_elements(adam.mu) <= whole // stages + 10
+
+
+def test_a_per_leaf_optimizer_state_moves_between_pipelines_and_data_parallel(tmp_path):
+  # Saved from data parallelism, restored under each pipeline layout (its state in
+  # the model's layout, as exported), trained on: the losses of the uninterrupted
+  # run. Then saved from the pipeline and restored under data parallelism.
+  from parstrat.checkpoint import Checkpointer  # noqa: PLC0415
+
+  images, labels = parstrat.testing.random_batches(7, 8, features=FEATURES)
+  trainer = parstrat.DataParallel(data=2)(MODEL, MASKED_ADAMW)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  for i in range(3):
+    state, _ = trainer.step(state, (images[i], labels[i]))
+  with Checkpointer(tmp_path / "dp") as ckpt:
+    assert ckpt.save(trainer, state, {}, force=True)
+  expected = []
+  for i in range(3, 7):
+    state, metrics = trainer.step(state, (images[i], labels[i]))
+    expected.append(float(metrics["loss"]))
+  for strategy in VIEWED:
+    other = strategy(MODEL, MASKED_ADAMW)
+    restored = other.init(jax.random.key(1), images[0][:1])
+    with Checkpointer(tmp_path / "dp") as ckpt:
+      restored, _ = ckpt.restore(other)
+    losses = []
+    for i in range(3, 5):
+      restored, metrics = other.step(restored, (images[i], labels[i]))
+      losses.append(float(metrics["loss"]))
+    with Checkpointer(tmp_path / repr(strategy)) as ckpt:
+      assert ckpt.save(other, restored, {}, force=True)
+    back = trainer.init(jax.random.key(2), images[0][:1])
+    with Checkpointer(tmp_path / repr(strategy)) as ckpt:
+      back, _ = ckpt.restore(trainer)
+    for i in range(5, 7):
+      back, metrics = trainer.step(back, (images[i], labels[i]))
+      losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=repr(strategy))
 
 
 @pytest.mark.parametrize(

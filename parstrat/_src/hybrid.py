@@ -23,6 +23,7 @@ from parstrat._src import tensor_split
 from parstrat._src.data_parallel import DATA
 from parstrat._src.data_parallel import average_gradients
 from parstrat._src.pipeline import engine
+from parstrat._src.pipeline import optimizer_view as optimizer_view_lib
 from parstrat._src.pipeline import partition as partition_lib
 from parstrat._src.pipeline import residuals as residuals_lib
 from parstrat._src.pipeline import schedule as schedule_lib
@@ -194,6 +195,11 @@ def make_pipeline_plan(
     # Stage branches with a partitioned "model" axis: the compiled step is read
     # before its first run, and refused if a collective in a branch leaves "model".
     branch_axes=(MODEL,) if parts > 1 else None,
+    # A per-leaf optimizer runs on the model's layout (not with a "model" axis:
+    # its split leaves would need a view of their own).
+    optimizer_view=None
+    if parts > 1 or mesh is None
+    else optimizer_view_lib.ModelLayoutView.build(layout, mesh, STAGE),
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan
 

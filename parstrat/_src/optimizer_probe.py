@@ -8,7 +8,9 @@ same update either way; a per-leaf one (a weight-decay mask, `optax.masked`,
 `optax.multi_transform`, LARS/LAMB trust ratios) does not: its masks and norms
 would see whole stages instead of the model's leaves, and train something
 else without a word. `check_layout` finds out by running the optimizer for a
-few steps on both layouts and refuses when they differ.
+few steps on both layouts and refuses when they differ; `needs_model_layout`
+instead answers True where the plan has an `optimizer_view` (the pipeline's
+stage rows seen in the model's layout), on which the trainer then runs it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,24 @@ LATE_TOLERANCE = 1e-2
 SCALES = (1.0, 1e-3, 1e3)
 
 
+def needs_model_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> bool:
+  """Whether `optimizer` must run on the model's layout instead of the plan's stored one.
+
+  True when it acts differently on the stored layout (see `check_layout`) and
+  the plan has an `optimizer_view` to run it on; False when it acts the same
+  (or the plan stores the model's own layout).
+
+  Raises:
+    ValueError: as `check_layout` does, when the plan has no `optimizer_view`.
+  """
+  if plan.optimizer_view is None:
+    check_layout(optimizer, plan, abstract_params, strategy)
+    return False
+  if _same_layout(plan, abstract_params):
+    return False
+  return bool(_detail(optimizer, plan, abstract_params, strategy))
+
+
 def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   """Refuses `optimizer` when it would act differently on the plan's stored layout.
 
@@ -91,15 +111,41 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
   Example:
     >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
     >>> model = hk.transform(lambda x: hk.nets.MLP([8, 8, 4])(x))
-    >>> trainer = parstrat.PipelineModelParallel(stages=2)(
+    >>> trainer = parstrat.Hybrid(data=1, stages=2, model=2)(
     ...     model, optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
     >>> trainer.init(jax.random.key(0), jnp.zeros((1, 4)))
     Traceback (most recent call last):
     ...
-    ValueError: PipelineModelParallel() stores ...
+    ValueError: Hybrid(...) stores each pipeline stage's parameters as flat buffers split ...
   """
   if _same_layout(plan, abstract_params):
     return
+  detail = _detail(optimizer, plan, abstract_params, strategy)
+  if detail:
+    pipeline = "stage" in getattr(strategy, "axis_names", ())
+    if pipeline:
+      stores = "each pipeline stage's parameters as flat buffers split over its 'model' axis"
+      instead = (
+        "use pipeline or hybrid without a model axis (model=1), which run such an optimizer "
+        "on the model's layout, or data_parallel, fsdp or tensor"
+      )
+    else:
+      stores = "the parameters in a layout of its own (its plan's to_stored), not the model's"
+      instead = (
+        "give the plan an optimizer_view, or use data_parallel, fsdp or tensor, which keep "
+        "the model's own layout"
+      )
+    raise ValueError(
+      f"{strategy!r} stores {stores}, and the "
+      f"optimizer does not act leaf by leaf ({detail}). Per-leaf transforms (masks such as "
+      "optax.adamw(mask=...), optax.masked, optax.multi_transform, LARS/LAMB trust ratios) "
+      f"are not supported on that layout: {instead}; or an element-wise optimizer (sgd, "
+      "adam, adamw without a mask, clip_by_global_norm, MultiSteps)."
+    )
+
+
+def _detail(optimizer, plan, abstract_params: Any, strategy: Any) -> str | None:
+  """What differs between the optimizer on the two layouts (None: nothing)."""
   # On the host's CPU device: never an accelerator's memory, and always one of
   # this process's own devices (jax.devices()[0] is not, in a multi-process run).
   # `optax.MultiSteps` applies nothing before its k-th step, which may be
@@ -110,21 +156,7 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
     if not detail and inner is not None:
       detail = _difference(inner, plan, abstract_params, strategy)
       detail = detail and f"inside MultiSteps, {detail}"
-  if detail:
-    pipeline = "stage" in getattr(strategy, "axis_names", ())
-    stores = (
-      "each pipeline stage's parameters as one flat buffer"
-      if pipeline
-      else "the parameters in a layout of its own (its plan's to_stored), not the model's"
-    )
-    raise ValueError(
-      f"{strategy!r} stores {stores}, and the "
-      f"optimizer does not act leaf by leaf ({detail}). Per-leaf transforms (masks such as "
-      "optax.adamw(mask=...), optax.masked, optax.multi_transform, LARS/LAMB trust ratios) "
-      "are not supported on that flat layout: use data_parallel, fsdp or tensor, which keep "
-      "the model's own layout, or an element-wise optimizer (sgd, adam, adamw without a "
-      "mask, clip_by_global_norm, MultiSteps)."
-    )
+  return detail
 
 
 def _check_round_trip(params: Any, back: Any, strategy: Any) -> None:

@@ -148,6 +148,14 @@ class Plan:
     opt_spec: `PartitionSpec`s of the optimizer state's parameter-shaped leaves
       (default `param_spec`). ZeRO-1 shards them while the params stay
       replicated.
+    optimizer_view: for a plan whose stored layout is not the model's (a
+      pipeline's flat stage rows): an object with `spec()` (a `PartitionSpec`
+      per leaf of the model's params), `to_view(stored)` and `from_view(tree)`
+      (traceable on global arrays under `jit`) that moves the stored params to
+      the model's layout and back. The trainer runs an optimizer that does not
+      act leaf by leaf (`optax.adamw(mask=...)`, `optax.multi_transform`) on
+      that view, and keeps its state there. None (default): such optimizers
+      are refused at `init`.
     branch_axes: for a plan whose devices run different `lax.switch` branches
       (pipeline stages) while XLA's partitioner adds collectives (a "model"
       axis): the mesh axes a collective inside a branch may span. The trainer
@@ -170,6 +178,7 @@ class Plan:
   grad_spec: Any = None
   opt_spec: Any = None
   branch_axes: tuple[str, ...] | None = None
+  optimizer_view: Any = None
 
 
 def axis_field(cls: type, axis: str) -> str | None:
@@ -887,7 +896,10 @@ class Trainer:
     stateful = isinstance(self._policy_model, hk.TransformedWithState)
     params, model_state = initialised if stateful else (initialised, {})
     stored = jax.jit(plan.to_stored, out_shardings=shardings.params)(params)
-    opt_state = jax.jit(self.optimizer.init, out_shardings=shardings.opt_state)(stored)
+    opt_state = jax.jit(
+      lambda stored: self.optimizer.init(self._optimizer_params(plan, stored)),
+      out_shardings=shardings.opt_state,
+    )(stored)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     train_rng = jax.device_put(_training_key_data(rng), shardings.rng)
     model_state = jax.device_put(model_state, shardings.model_state)
@@ -915,6 +927,11 @@ class Trainer:
     plan, state, uses_rng = self._layout(rng, _abstract(sample))
     self._commit(plan, sample, state, uses_rng, rng, sample_batch)
     return state
+
+  @staticmethod
+  def _optimizer_params(plan: Plan, stored: Any) -> Any:
+    """The params as the optimizer sees them: stored, or the plan's view of them."""
+    return stored if plan.optimizer_view is None else plan.optimizer_view.to_view(stored)
 
   def _host_model(self, model: Any) -> Any:
     """`model` as traced outside the mesh (see `_layout`): its axes bound if it needs them.
@@ -966,15 +983,21 @@ class Trainer:
       )
     plan = strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
     _check_plan(plan, strategy, self.mesh)
-    optimizer_probe.check_layout(self.optimizer, plan, abstract_params, strategy)
+    if not optimizer_probe.needs_model_layout(self.optimizer, plan, abstract_params, strategy):
+      plan = dataclasses.replace(plan, optimizer_view=None)  # (None: on the stored layout)
     param_shardings = self._shardings(plan.param_spec)
     stored = jax.eval_shape(plan.to_stored, abstract_params)
-    opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)
+    if plan.optimizer_view is None:
+      opt_params = stored
+      opt_shardings = self._shardings(plan.param_spec if plan.opt_spec is None else plan.opt_spec)
+    else:  # the optimizer runs on the model's layout, each leaf sharded as the view says
+      opt_params = abstract_params
+      opt_shardings = self._shardings(plan.optimizer_view.spec())
     # Optimizer-state leaves that mirror a parameter (Adam's moments) get that
     # parameter's sharding. Counters and other non-parameter leaves are replicated,
     # and so are per-parameter leaves of another shape (adafactor's factored
     # moments). `multi_transform`'s masked-out leaves (`optax.MaskedNode`) stay.
-    abstract_opt = jax.eval_shape(self.optimizer.init, stored)
+    abstract_opt = jax.eval_shape(self.optimizer.init, opt_params)
 
     def param_leaf_sharding(leaf, sharding, param):
       if isinstance(leaf, optax.MaskedNode):
@@ -986,8 +1009,8 @@ class Trainer:
         self.optimizer,
         param_leaf_sharding,
         abstract_opt,
-        jax.tree.broadcast(opt_shardings, stored),
-        stored,
+        jax.tree.broadcast(opt_shardings, opt_params),
+        opt_params,
         transform_non_params=lambda _: self._replicated,
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
       )
@@ -995,7 +1018,7 @@ class Trainer:
       # the params, which a function of the params (multi_transform's labels by
       # `hk.data_structures.map`) cannot read: matched by path instead.
       opt_shardings = _shardings_by_path(
-        abstract_opt, stored, jax.tree.broadcast(opt_shardings, stored), self._replicated
+        abstract_opt, opt_params, jax.tree.broadcast(opt_shardings, opt_params), self._replicated
       )
     with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     replicated = lambda x: with_sharding(x, self._replicated)  # noqa: E731
@@ -1140,6 +1163,7 @@ class Trainer:
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings), model_state
 
     optimizer = self.optimizer
+    view = plan.optimizer_view
     skip_nonfinite = self.skip_nonfinite
     uses_default_loss = self.uses_default_loss
     uses_rng = self.uses_rng
@@ -1153,7 +1177,12 @@ class Trainer:
       else:
         loss, grads, model_state = grad_fn(*args)
         grad_norm = optax.tree_utils.tree_norm(grads)
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      if view is None:
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      else:  # an optimizer that does not act leaf by leaf, on the model's layout
+        grads_view, params_view = view.to_view(grads), view.to_view(state.params)
+        updates, opt_state = optimizer.update(grads_view, state.opt_state, params_view)
+        updates = view.from_view(updates)
       params = optax.apply_updates(state.params, updates)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new_state = TrainState(state.step + 1, params, opt_state, state.rng, model_state)
@@ -1641,7 +1670,9 @@ class Trainer:
       return {
         "step": state.step,
         "params": plan.to_params(state.params),
-        "opt_state": trees.map_param_like(state.opt_state, state.params, plan.to_params),
+        "opt_state": state.opt_state
+        if plan.optimizer_view is not None  # (kept in the model's layout already)
+        else trees.map_param_like(state.opt_state, state.params, plan.to_params),
         "rng": state.rng,
         "model_state": state.model_state,
       }
@@ -1681,7 +1712,9 @@ class Trainer:
     def place(exported):
       stored = plan.to_stored(exported["params"])
       if fresh:
-        opt_state = self.optimizer.init(stored)
+        opt_state = self.optimizer.init(self._optimizer_params(plan, stored))
+      elif plan.optimizer_view is not None:  # kept in the model's layout
+        opt_state = exported["opt_state"]
       else:
         opt_state = trees.map_param_like(exported["opt_state"], exported["params"], plan.to_stored)
       return TrainState(
