@@ -80,9 +80,6 @@ STRATEGIES = {
 }
 
 MATCH = "match"
-#: With a "model" axis the stage buffers are split over it and have no view in the
-#: model's layout: per-leaf optimizers are refused (without one they run on that view).
-SPLIT_OVER_MODEL = "split over its 'model' axis, and the optimizer does not act leaf by leaf"
 #: The pipeline passes no PRNG key to the model.
 NO_RNG = "cannot train a model that calls hk.next_rng_key()"
 #: A tied LM head reuses the embedding across any cut.
@@ -137,7 +134,7 @@ EXPECTED = {
   # hybrid
   ("hybrid:2x2x2", "mlp", "sgd_momentum"): MATCH,
   ("hybrid:4x2", "mlp_layernorm", "adamw_mask"): MATCH,
-  ("hybrid:2x2x2", "lm_untied", "adamw_mask"): SPLIT_OVER_MODEL,
+  ("hybrid:2x2x2", "lm_untied", "adamw_mask"): MATCH,
   ("hybrid:2x2x2", "residual_mlp", "clip_sgd"): MATCH,
   ("hybrid:4x2", "cnn", "multisteps"): MATCH,
   ("hybrid:4x2", "lm", "sgd_momentum"): TIED_REFUSAL,

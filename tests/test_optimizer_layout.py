@@ -98,16 +98,15 @@ ELEMENT_WISE = {
 
 FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages=2, model=2)]
 
-#: Pipelines whose stage buffers have a view in the model's layout (no "model" axis):
-#: one stage per device, two virtual stages per device, and data x stage.
+#: The pipelines' layouts, each with a view in the model's layout: one stage per
+#: device, two virtual stages per device, data x stage, and data x stage x model
+#: (each weight's Megatron slices split over "model", as the step keeps them).
 VIEWED = [
   parstrat.PipelineModelParallel(stages=2),
   parstrat.PipelineModelParallel(stages=2, schedule="interleaved_1f1b", virtual_stages=2),
   parstrat.Hybrid(data=2, stages=2, schedule="zb_h1"),
+  parstrat.Hybrid(data=2, stages=2, model=2),
 ]
-
-#: Split over "model" as well: no view, so per-leaf transforms are refused.
-SPLIT = parstrat.Hybrid(data=2, stages=2, model=2)
 
 
 def _init(strategy, optimizer):
@@ -116,18 +115,8 @@ def _init(strategy, optimizer):
 
 
 @pytest.mark.parametrize("name", sorted(PER_LEAF))
-def test_per_leaf_transforms_are_refused_on_stage_buffers_split_over_model(name):
-  with pytest.raises(ValueError) as e:
-    _init(SPLIT, PER_LEAF[name])
-  message = str(e.value)
-  assert message.startswith(f"{SPLIT!r} stores each pipeline stage's parameters as flat buffers")
-  assert "split over its 'model' axis" in message
-  assert "use pipeline or hybrid without a model axis (model=1)" in message
-
-
-@pytest.mark.parametrize("name", sorted(PER_LEAF))
 def test_per_leaf_transforms_train_like_jit_on_the_model_layout(name):
-  # Each optimizer once, the three layouts in turn: the optimizer runs on the
+  # Each optimizer once, the four layouts in turn: the optimizer runs on the
   # model's leaves (the plan's view), its state kept there, sharded over "stage".
   strategy = VIEWED[sorted(PER_LEAF).index(name) % len(VIEWED)]
   optimizer = PER_LEAF[name]
@@ -167,7 +156,7 @@ def test_a_layout_of_ones_own_is_named_as_such_and_must_round_trip():
 
 def test_the_haiku_name_mask_failure_is_reported():
   with pytest.raises(ValueError, match="on the flat layout it fails: "):
-    _init(SPLIT, PER_LEAF["haiku name mask"])
+    _init(_OwnLayout(data=2), PER_LEAF["haiku name mask"])
 
 
 @pytest.mark.parametrize("strategy", FLAT, ids=repr)
@@ -205,13 +194,22 @@ def test_a_per_leaf_optimizer_state_is_in_the_model_layout_sharded_over_stage(st
   ):
     assert mu.shape == param.shape, path
     spec = tuple(mu.sharding.spec)
-    # Split over "stage" along the largest dimension it divides, or whole where none does.
-    if any(n % stages == 0 for n in param.shape):
-      largest = max((n, -d) for d, n in enumerate(param.shape) if n % stages == 0)
-      assert spec.index("stage") == -largest[1], (path, spec)
-      assert mu.addressable_shards[0].data.size == param.size // stages, path
+    # Split over "stage" along the largest dimension it divides, or whole where none
+    # does; with a "model" axis, of the Megatron slice each device holds.
+    local = list(param.shape)
+    for d, entry in enumerate(spec):
+      if entry == "model" or (isinstance(entry, tuple) and "model" in entry):
+        local[d] //= trainer.mesh.shape["model"]
+    if any(n % stages == 0 for n in local):
+      largest = max((n, -d) for d, n in enumerate(local) if n % stages == 0)
+      assert "stage" in jax.tree.leaves(spec[-largest[1]]), (path, spec)
+      assert mu.addressable_shards[0].data.size == np.prod(local) // stages, path
     else:
-      assert "stage" not in spec, (path, spec)
+      assert "stage" not in jax.tree.leaves(list(spec)), (path, spec)
+  if dict(trainer.mesh.shape).get("model", 1) > 1:  # the Megatron pair's split leaves:
+    # linear_1's weight and bias (by output features), linear_2's weight (by input ones)
+    specs = [jax.tree.leaves(list(x.sharding.spec)) for x in jax.tree.leaves(adam.mu)]
+    assert sum("model" in spec for spec in specs) == 3, specs
   # Each device holds about 1/stages of the moments (whole: 10 biases of the head).
   whole = sum(x.size for x in jax.tree.leaves(params))
   assert _per_device_elements(adam.mu) <= whole // stages + 10

@@ -195,10 +195,9 @@ def make_pipeline_plan(
     # Stage branches with a partitioned "model" axis: the compiled step is read
     # before its first run, and refused if a collective in a branch leaves "model".
     branch_axes=(MODEL,) if parts > 1 else None,
-    # A per-leaf optimizer runs on the model's layout (not with a "model" axis:
-    # its split leaves would need a view of their own).
+    # Where the trainer runs an optimizer that does not act leaf by leaf.
     optimizer_view=None
-    if parts > 1 or mesh is None
+    if mesh is None
     else optimizer_view_lib.ModelLayoutView.build(layout, mesh, STAGE),
   )
   return _with_model_axis(plan, mesh) if parts > 1 else plan

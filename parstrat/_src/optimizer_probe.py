@@ -67,6 +67,17 @@ def needs_model_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> 
 
   Raises:
     ValueError: as `check_layout` does, when the plan has no `optimizer_view`.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
+    >>> model = hk.transform(lambda x: hk.nets.MLP([8, 8, 4])(x))
+    >>> mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
+    >>> trainer = parstrat.PipelineModelParallel(stages=2)(model, optax.adamw(1e-3, mask=mask))
+    >>> state = trainer.init(jax.random.key(0), jnp.zeros((1, 4)))
+    >>> trainer.plan.optimizer_view is not None  # the mask runs on the model's layout
+    True
+    >>> jax.tree.structure(state.opt_state[0].mu) == jax.tree.structure(trainer.params(state))
+    True
   """
   if plan.optimizer_view is None:
     check_layout(optimizer, plan, abstract_params, strategy)
@@ -107,39 +118,18 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
     ValueError: if the updates or states differ, or the optimizer fails on the
       stored layout (e.g. a mask function that reads Haiku module names); or if
       the plan's `to_params` does not give back what its `to_stored` took.
-
-  Example:
-    >>> import haiku as hk, jax, jax.numpy as jnp, optax, parstrat
-    >>> model = hk.transform(lambda x: hk.nets.MLP([8, 8, 4])(x))
-    >>> trainer = parstrat.Hybrid(data=1, stages=2, model=2)(
-    ...     model, optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
-    >>> trainer.init(jax.random.key(0), jnp.zeros((1, 4)))
-    Traceback (most recent call last):
-    ...
-    ValueError: Hybrid(...) stores each pipeline stage's parameters as flat buffers split ...
   """
   if _same_layout(plan, abstract_params):
     return
   detail = _detail(optimizer, plan, abstract_params, strategy)
   if detail:
-    pipeline = "stage" in getattr(strategy, "axis_names", ())
-    if pipeline:
-      stores = "each pipeline stage's parameters as flat buffers split over its 'model' axis"
-      instead = (
-        "use pipeline or hybrid without a model axis (model=1), which run such an optimizer "
-        "on the model's layout, or data_parallel, fsdp or tensor"
-      )
-    else:
-      stores = "the parameters in a layout of its own (its plan's to_stored), not the model's"
-      instead = (
-        "give the plan an optimizer_view, or use data_parallel, fsdp or tensor, which keep "
-        "the model's own layout"
-      )
     raise ValueError(
-      f"{strategy!r} stores {stores}, and the "
-      f"optimizer does not act leaf by leaf ({detail}). Per-leaf transforms (masks such as "
-      "optax.adamw(mask=...), optax.masked, optax.multi_transform, LARS/LAMB trust ratios) "
-      f"are not supported on that layout: {instead}; or an element-wise optimizer (sgd, "
+      f"{strategy!r} stores the parameters in a layout of its own (its plan's to_stored), "
+      f"not the model's, and the optimizer does not act leaf by leaf ({detail}). Per-leaf "
+      "transforms (masks such as optax.adamw(mask=...), optax.masked, "
+      "optax.multi_transform, LARS/LAMB trust ratios) are not supported on that layout "
+      "without a view of it in the model's layout: give the plan an optimizer_view, or use "
+      "data_parallel, fsdp, tensor, pipeline or hybrid, or an element-wise optimizer (sgd, "
       "adam, adamw without a mask, clip_by_global_norm, MultiSteps)."
     )
 

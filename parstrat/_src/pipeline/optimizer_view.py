@@ -41,17 +41,28 @@ from jax.sharding import PartitionSpec
 class _Leaf:
   """Where one parameter leaf lives in the stored rows and in the view.
 
+  A device holds a piece of each of its stages' leaves: the whole leaf, or,
+  in a `SplitLayout`, its slice along `model_dim` for the device's index on the
+  "model" axis. The view moves these pieces, called local leaves here.
+
   Attributes:
     shape: the leaf's shape.
-    device: the stage-axis index of the device whose row holds it.
+    local: the shape of the piece a device holds (`shape`, or its model slice).
+    model_dim: the dimension split over the "model" axis (None: not split).
+    buffer: which stored buffer holds it (0: the only one, or the split one).
+    device: the stage-axis index of the device whose rows hold it.
     row: which of that device's rows (its virtual stage, 0 .. v-1).
     offset: its start in that row.
-    dim: the dimension it is split along in the view (None: replicated).
-    column: its start in the send buffer of `device` (split leaves) or in the
+    dim: the dimension of `local` split over the stage axis in the view (None:
+      the local piece is whole on every device of the stage axis).
+    column: its start in the send buffer of `device` (`dim` set) or in the
       replicated segment of `device` (the others).
   """
 
   shape: tuple[int, ...]
+  local: tuple[int, ...]
+  model_dim: int | None
+  buffer: int
   device: int
   row: int
   offset: int
@@ -60,7 +71,8 @@ class _Leaf:
 
   @property
   def size(self) -> int:
-    return math.prod(self.shape)
+    """Elements of the local piece."""
+    return math.prod(self.local)
 
 
 def _split_dim(shape: tuple[int, ...], parts: int) -> int | None:
@@ -80,9 +92,15 @@ def _blocks(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
 
 
 def _slice_of(flat: jax.Array, shape: tuple[int, ...], dim: int, parts: int) -> jax.Array:
-  """One flattened slice of `_blocks` back to the leaf's slice along `dim`."""
+  """One flattened row of `_blocks` back to the leaf's slice along `dim`."""
   moved = (shape[dim] // parts, *shape[:dim], *shape[dim + 1 :])
   return jnp.moveaxis(flat.reshape(moved), 0, dim)
+
+
+def _local_shape(shape: tuple[int, ...], model_dim: int | None, parts: int) -> tuple[int, ...]:
+  if model_dim is None:
+    return tuple(shape)
+  return tuple(n // parts if d == model_dim else n for d, n in enumerate(shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +109,23 @@ class ModelLayoutView:
 
   Build it with `ModelLayoutView.build(layout, mesh, axis)`; `spec` gives
   each leaf's `PartitionSpec` in the view; `to_view` and `from_view` run
-  under `jax.jit` on global arrays (each is one `jax.shard_map`).
+  under `jax.jit` on global arrays (each is one `jax.shard_map`, manual over
+  every mesh axis).
+
+  With a `SplitLayout` (a "model" axis), each device's piece of a split leaf
+  is its slice along the Megatron dimension; the view keeps that split and
+  moves only the pieces, each over the stage axis as above: a leaf split
+  along one dimension over both axes gets `("model", "stage")` there.
 
   Attributes:
     mesh: the trainer's mesh.
     axis: the stage axis the rows are sharded over.
+    model_axis: the axis split leaves are split over (None: a `FlatLayout`).
+    model_parts: that axis's size (1 for a `FlatLayout`).
     treedef: the params' tree structure.
     leaves: where each leaf lives (`_Leaf`), in tree order.
-    stage_rows: per device and row, the leaves it holds in row order.
-    size: a row's length.
+    stage_rows: per device, per row, per buffer: the leaves it holds in row order.
+    sizes: each stored buffer's row length.
     columns: the send buffers' width (the largest device's).
     replicated: the replicated segments' length (the largest device's).
     dtype: the rows' dtype.
@@ -107,18 +133,28 @@ class ModelLayoutView:
 
   mesh: Mesh
   axis: str
+  model_axis: str | None
+  model_parts: int
   treedef: Any
   leaves: tuple[_Leaf, ...]
-  stage_rows: tuple[tuple[tuple[int, ...], ...], ...]
-  size: int
+  stage_rows: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
+  sizes: tuple[int, ...]
   columns: int
   replicated: int
   dtype: Any
 
   @classmethod
   def build(cls, layout: Any, mesh: Mesh, axis: str) -> ModelLayoutView:
-    """The view of `layout` (a `FlatLayout`) on `mesh`, whose rows lie along `axis`."""
+    """The view of `layout` (a `FlatLayout` or `SplitLayout`) on `mesh`, rows along `axis`."""
     parts = mesh.shape[axis]
+    split_dims = getattr(layout, "split_dims", None)
+    model_axis = layout.axis if split_dims is not None else None
+    model_parts = layout.parts if split_dims is not None else 1
+    if split_dims is None:
+      split_dims, sizes = (None,) * len(layout.shapes), (layout.size,)
+    else:
+      sizes = (layout.split_size, layout.replicated_size)
+    buffer_of = [0 if dim is not None or len(sizes) == 1 else 1 for dim in split_dims]
     rows_per_device = len(layout.order) // parts
     placed: dict[int, tuple[int, int, int]] = {}
     stage_rows = []
@@ -129,27 +165,32 @@ class ModelLayoutView:
         group = layout.stage_leaves[stage]
         for i, offset in zip(group, layout.offsets[stage], strict=True):
           placed[i] = (device, k, offset)
-        rows.append(tuple(group))
+        rows.append(tuple(tuple(i for i in group if buffer_of[i] == b) for b in range(len(sizes))))
       stage_rows.append(tuple(rows))
     used_columns, used_replicated = [0] * parts, [0] * parts
     leaves = []
     for i, shape in enumerate(layout.shapes):
       device, k, offset = placed[i]
-      dim = _split_dim(shape, parts)
+      local = _local_shape(shape, split_dims[i], model_parts)
+      dim = _split_dim(local, parts)
       if dim is None:
         column = used_replicated[device]
-        used_replicated[device] += math.prod(shape)
+        used_replicated[device] += math.prod(local)
       else:
         column = used_columns[device]
-        used_columns[device] += math.prod(shape) // parts
-      leaves.append(_Leaf(tuple(shape), device, k, offset, dim, column))
+        used_columns[device] += math.prod(local) // parts
+      leaves.append(
+        _Leaf(tuple(shape), local, split_dims[i], buffer_of[i], device, k, offset, dim, column)
+      )
     return cls(
       mesh,
       axis,
+      model_axis,
+      model_parts,
       layout.treedef,
       tuple(leaves),
       tuple(stage_rows),
-      layout.size,
+      tuple(sizes),
       max(used_columns),
       max(used_replicated),
       layout.dtype,
@@ -160,35 +201,57 @@ class ModelLayoutView:
     return self.mesh.shape[self.axis]
 
   def spec(self) -> Any:
-    """The view's `PartitionSpec` per leaf: split along `dim` over `axis`, or replicated."""
+    """The view's `PartitionSpec` per leaf: split over `axis` along `dim`, or not."""
     specs = []
     for leaf in self.leaves:
-      entries = [None] * len(leaf.shape)
+      entries: list[Any] = [None] * len(leaf.shape)
+      if leaf.model_dim is not None:
+        entries[leaf.model_dim] = self.model_axis
       if leaf.dim is not None:
-        entries[leaf.dim] = self.axis
+        here = entries[leaf.dim]
+        entries[leaf.dim] = self.axis if here is None else (here, self.axis)
       specs.append(PartitionSpec(*entries))
     return jax.tree.unflatten(self.treedef, specs)
+
+  def _stored_specs(self) -> Any:
+    if self.model_axis is None:
+      return PartitionSpec(self.axis)
+    return (PartitionSpec(self.axis, self.model_axis), PartitionSpec(self.axis))
+
+  def _rows(self, stored: Any) -> tuple[jax.Array, ...]:
+    """A device's block of the stored buffers as `[v, size]` rows, one per buffer."""
+    if self.model_axis is None:
+      return (stored,)
+    split, replicated = stored
+    return split[:, 0, :], replicated  # (its one "model" slice: [v, 1, split_size])
+
+  def _stored(self, rows: tuple[jax.Array, ...]) -> Any:
+    """The inverse of `_rows`."""
+    if self.model_axis is None:
+      return rows[0]
+    return rows[0][:, None, :], rows[1]
 
   def _per_device(self, fn, in_specs, out_specs):
     return jax.shard_map(
       fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
 
-  def to_view(self, stored: jax.Array) -> Any:
-    """`[G, size]` rows (sharded over `axis`) -> the params' tree, laid out by `spec`."""
+  def to_view(self, stored: Any) -> Any:
+    """Stored rows (sharded as the plan stores them) -> the params' tree, laid out by `spec`."""
     parts, leaves = self.parts, self.leaves
 
     def branch(device):
-      def build(block):  # this device's `[v, size]` rows -> send buffer, replicated segment
+      def build(rows):  # this device's rows -> send buffer, replicated segment
         send, segment = [], []
         for leaf in leaves:
           if leaf.device != device:
             continue
-          flat = lax.slice_in_dim(block[leaf.row], leaf.offset, leaf.offset + leaf.size)
+          row = rows[leaf.buffer][leaf.row]
+          flat = lax.slice_in_dim(row, leaf.offset, leaf.offset + leaf.size)
           if leaf.dim is None:
             segment.append(flat)
           else:
-            send.append(_blocks(flat.reshape(leaf.shape), leaf.dim, parts))
+            send.append(_blocks(self._local(flat, leaf), leaf.dim, parts))
         send_buffer = jnp.concatenate(send, axis=1) if send else jnp.zeros((parts, 0), self.dtype)
         segment_buffer = jnp.concatenate(segment) if segment else jnp.zeros((0,), self.dtype)
         return (
@@ -198,9 +261,9 @@ class ModelLayoutView:
 
       return build
 
-    def local(block):
+    def local(stored):
       send, segment = lax.switch(
-        lax.axis_index(self.axis), [branch(d) for d in range(parts)], block
+        lax.axis_index(self.axis), [branch(d) for d in range(parts)], self._rows(stored)
       )
       received = lax.all_to_all(send, self.axis, 0, 0, tiled=True) if self.columns else send
       gathered = lax.all_gather(segment, self.axis) if self.replicated else None
@@ -208,45 +271,61 @@ class ModelLayoutView:
       for leaf in leaves:
         if leaf.dim is None:
           flat = lax.slice_in_dim(gathered[leaf.device], leaf.column, leaf.column + leaf.size)
-          out.append(flat.reshape(leaf.shape))
+          out.append(self._local(flat, leaf))
         else:
           width = leaf.size // parts
           flat = lax.slice_in_dim(received[leaf.device], leaf.column, leaf.column + width)
-          out.append(_slice_of(flat, leaf.shape, leaf.dim, parts))
+          out.append(_slice_of(flat, leaf.local, leaf.dim, parts))
       return jax.tree.unflatten(self.treedef, out)
 
-    return self._per_device(local, PartitionSpec(self.axis), self.spec())(stored)
+    return self._per_device(local, (self._stored_specs(),), self.spec())(stored)
 
-  def from_view(self, tree: Any) -> jax.Array:
-    """The inverse of `to_view`: the params' tree (laid out by `spec`) -> `[G, size]` rows."""
+  def _local(self, flat: jax.Array, leaf: _Leaf) -> jax.Array:
+    """A local piece from its stored form: a split leaf's slice is stored as `_blocks` rows."""
+    if leaf.model_dim is None:
+      return flat.reshape(leaf.local)
+    return _slice_of(flat, leaf.shape, leaf.model_dim, self.model_parts)
+
+  @staticmethod
+  def _flat(piece: jax.Array, leaf: _Leaf) -> jax.Array:
+    """The inverse of `_local`: a local piece in its stored form."""
+    if leaf.model_dim is None:
+      return piece.reshape(-1)
+    return jnp.moveaxis(piece, leaf.model_dim, 0).reshape(-1)
+
+  def from_view(self, tree: Any) -> Any:
+    """The inverse of `to_view`: the params' tree (laid out by `spec`) -> the stored rows."""
     parts, leaves = self.parts, self.leaves
 
     def branch(device):
-      def build(received, local_leaves):  # slices from every device -> this device's rows
-        rows = []
-        for group in self.stage_rows[device]:
-          flat = []
-          for i in group:
-            leaf = leaves[i]
-            if leaf.dim is None:
-              flat.append(local_leaves[i].reshape(-1))
-              continue
-            width = leaf.size // parts
-            slices = lax.slice_in_dim(received, leaf.column, leaf.column + width, axis=1)
-            whole = jnp.concatenate(
-              [_slice_of(slices[j], leaf.shape, leaf.dim, parts) for j in range(parts)],
-              axis=leaf.dim,
-            )
-            flat.append(whole.reshape(-1))
-          row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
-          rows.append(jnp.pad(row.astype(self.dtype), (0, self.size - row.shape[0])))
-        return jnp.stack(rows)
+      def build(received, local_leaves):  # pieces from every device -> this device's rows
+        buffers = []
+        for b, size in enumerate(self.sizes):
+          rows = []
+          for groups in self.stage_rows[device]:
+            flat = []
+            for i in groups[b]:
+              leaf = leaves[i]
+              if leaf.dim is None:
+                flat.append(self._flat(local_leaves[i], leaf))
+                continue
+              width = leaf.size // parts
+              pieces = lax.slice_in_dim(received, leaf.column, leaf.column + width, axis=1)
+              whole = jnp.concatenate(
+                [_slice_of(pieces[j], leaf.local, leaf.dim, parts) for j in range(parts)],
+                axis=leaf.dim,
+              )
+              flat.append(self._flat(whole, leaf))
+            row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
+            rows.append(jnp.pad(row.astype(self.dtype), (0, size - row.shape[0])))
+          buffers.append(jnp.stack(rows))
+        return self._stored(tuple(buffers))
 
       return build
 
     def local(*local_leaves):
       send = []
-      for device in range(parts):  # what goes to `device`: its leaves' slices held here
+      for device in range(parts):  # what goes to `device`: its leaves' pieces held here
         pieces = [
           jnp.moveaxis(local_leaves[i], leaf.dim, 0).reshape(-1)
           for i, leaf in enumerate(leaves)
@@ -263,4 +342,4 @@ class ModelLayoutView:
       )
 
     specs = tuple(jax.tree.leaves(self.spec(), is_leaf=lambda x: isinstance(x, PartitionSpec)))
-    return self._per_device(local, specs, PartitionSpec(self.axis))(*jax.tree.leaves(tree))
+    return self._per_device(local, specs, self._stored_specs())(*jax.tree.leaves(tree))
