@@ -275,6 +275,30 @@ def test_only_paired_layers_divide_over_model_and_reductions_scale_the_data_traf
   assert four["comm_bytes"] == pytest.approx(4 * once["comm_bytes"])
 
 
+def test_a_per_leaf_optimizer_costs_a_pipeline_three_all_to_alls_of_its_params():
+  cost = parstrat.CostModel()
+  stats = auto_lib.ModelStats(
+    param_bytes=4000, flops_per_example=1000, boundary_widths=(8,), tensor_pairs=()
+  )
+  pipeline = parstrat.PipelineModelParallel(stages=4)
+  rows = cost.estimate(pipeline, {"stage": 4}, stats, batch=64)
+  view = cost.estimate(pipeline, {"stage": 4}, stats, batch=64, optimizer_view=True)
+  assert view["comm_bytes"] - rows["comm_bytes"] == pytest.approx(3 * 3 / 4 * 4000 / 4)
+  assert view["latency_s"] - rows["latency_s"] == pytest.approx(3 * cost.collective_latency)
+  # What "auto" passes: whether the trainer runs the optimizer on the view.
+  model = hk.transform(lambda x: hk.nets.MLP([16, 16, 10])(x))
+  mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+
+  def comm_bytes(optimizer):
+    auto = parstrat.Auto(devices=jax.devices()[:2], candidates=("pipeline",), verbose=False)
+    measured = auto.measure(model, optimizer, np.zeros((8, 4), np.float32))
+    return {repr(c.strategy): c.comm_bytes for c in measured if not c.problem}
+
+  masked, plain = comm_bytes(optax.adamw(1e-3, mask=mask)), comm_bytes(optax.adamw(1e-3))
+  assert masked.keys() == plain.keys() and masked
+  assert all(masked[name] > plain[name] for name in masked), (masked, plain)
+
+
 def test_custom_labels_and_models_the_pipeline_cannot_analyse():
   def net(x):
     hk.get_parameter("unused", (3,), init=jnp.zeros)  # the pipeline's analysis refuses this

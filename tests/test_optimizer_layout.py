@@ -102,7 +102,7 @@ FLAT = [parstrat.PipelineModelParallel(stages=2), parstrat.Hybrid(data=2, stages
 #: device, two virtual stages per device, data x stage, and data x stage x model
 #: (each weight's Megatron slices split over "model", as the step keeps them).
 VIEWED = [
-  parstrat.PipelineModelParallel(stages=2),
+  parstrat.PipelineModelParallel(stages=4),  # (the head's 10 biases: whole on every device)
   parstrat.PipelineModelParallel(stages=2, schedule="interleaved_1f1b", virtual_stages=2),
   parstrat.Hybrid(data=2, stages=2, schedule="zb_h1"),
   parstrat.Hybrid(data=2, stages=2, model=2),
@@ -114,14 +114,28 @@ def _init(strategy, optimizer):
   return trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
 
 
-@pytest.mark.parametrize("name", sorted(PER_LEAF))
+#: `PER_LEAF`'s optimizers as trained below, where each must act per leaf within the
+#: steps trained (so that training on the stage rows would fail the comparison):
+#: block RMS clipping at a threshold these gradients exceed, the delayed warmup
+#: starting at step 1; the `MultiSteps` ones train 5 steps (an update at the 4th).
+TRAINED = {
+  **PER_LEAF,
+  "block rms clipping": optax.chain(optax.clip_by_block_rms(0.01), optax.sgd(0.1)),
+  "masked Adam before a delayed warmup": optax.chain(
+    optax.masked(optax.scale_by_adam(), _decay_mask),
+    optax.scale_by_learning_rate(optax.linear_schedule(0.0, 1e-2, 4, transition_begin=1)),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
 def test_per_leaf_transforms_train_like_jit_on_the_model_layout(name):
   # Each optimizer once, the four layouts in turn: the optimizer runs on the
   # model's leaves (the plan's view), its state kept there, sharded over "stage".
-  strategy = VIEWED[sorted(PER_LEAF).index(name) % len(VIEWED)]
-  optimizer = PER_LEAF[name]
+  strategy = VIEWED[sorted(TRAINED).index(name) % len(VIEWED)]
+  steps = 5 if "MultiSteps" in name else 3
   parstrat.testing.check_strategy(
-    strategy, MODEL, {name: optimizer}, steps=3, batch=8, features=FEATURES, atol=1e-4
+    strategy, MODEL, {name: TRAINED[name]}, steps=steps, batch=8, features=FEATURES, atol=1e-4
   )
 
 
@@ -306,6 +320,8 @@ def test_optimizer_state_mirroring_a_param_is_sharded_like_it_whatever_the_label
     parstrat.FSDP(data=2),
     parstrat.FSDP(data=4, zero=1),
     parstrat.TensorParallel(model=2),
+    VIEWED[0],  # on the pipeline's view
+    VIEWED[3],  # with a "model" axis
   ],
   ids=repr,
 )

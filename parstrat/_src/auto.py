@@ -25,7 +25,9 @@ dropped; the rest are ranked by an estimated step time:
                 pass (none for the first layer's input), 2 (T - 1) / T * bytes,
                 divided by S (a stage holds about 1/S of the pairs)
       "stage" : each microbatch's activation forward and its gradient back
-                across the widest stage boundary
+                across the widest stage boundary; with an optimizer that does
+                not act leaf by leaf (it runs on the model's layout), three
+                all-to-alls of a device's params, (S - 1) / S of them each
     latency       = collective_latency * collectives per step
 
 with D, S, T the "data", "stage" and "model" axis sizes, B the global batch,
@@ -298,6 +300,7 @@ class CostModel:
     *,
     reductions: int = 1,
     batch_axes: Sequence[str] | None = None,
+    optimizer_view: bool = False,
   ) -> dict[str, float]:
     """The cost model's terms (see the module docstring) for `strategy` on `mesh`.
 
@@ -311,6 +314,9 @@ class CostModel:
         (k with gradient accumulation on a plan that reduces in every microstep).
       batch_axes: the mesh axes the batch is split over (the plan's
         `batch_spec`); default: "data" when the mesh has it.
+      optimizer_view: whether the optimizer runs on the plan's view of the
+        params in the model's layout (`Plan.optimizer_view`): a pipeline's
+        gradients and params moved there and the updates back each step.
 
     Returns:
       `{"compute_s", "comm_bytes", "comm_s", "latency_s", "redundant"}`:
@@ -342,6 +348,9 @@ class CostModel:
       width = max(stats.boundary_widths, default=0)
       comm += 2 * (batch / ways) * width * 4
       collectives += 2 * (micro + stages - 1)
+      if optimizer_view:  # gradients and params to the view, the updates back
+        comm += 3 * (stages - 1) / stages * stats.param_bytes / (stages * tensor)
+        collectives += 3
     if ways > 1:
       traffic, count = strategy.gradient_traffic
       comm += reductions * traffic * (ways - 1) / ways * stats.param_bytes / (stages * tensor)
@@ -639,6 +648,7 @@ class Auto(Strategy):
             batch,
             reductions=1 if reduces_once else accumulate,
             batch_axes=batch_axes(plan.batch_spec),
+            optimizer_view=plan.optimizer_view is not None,
           )
           redundant = estimate.pop("redundant")
           time_s = estimate["compute_s"] + estimate["comm_s"] + estimate["latency_s"]
