@@ -19,6 +19,7 @@ properties.
 from __future__ import annotations
 
 import functools
+import pathlib
 
 import jax
 import models
@@ -216,6 +217,11 @@ def test_case(strategy_id, model_name, optimizer_name):
   )
   bad = [jax.tree_util.keystr(p) for p, ok in jax.tree_util.tree_leaves_with_path(close) if not ok]
   assert not bad, f"{case} ({out['chosen']}): params differ from jit at {bad}"
+
+
+def test_the_readme_gives_the_number_of_cases():
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  assert f"names the outcome of each of its {len(EXPECTED)} cases" in readme
 
 
 def test_the_table_covers_every_strategy_model_optimizer_and_mesh():

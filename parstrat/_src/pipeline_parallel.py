@@ -21,7 +21,10 @@ class PipelineModelParallel(Strategy):
 
   The unmodified model is cut into `stages` contiguous stages (balanced by
   parameter count, or at `cuts`, or at `parstrat.pipeline.stage_boundary`
-  markers); each device holds only its stage's parameters and optimizer state.
+  markers); each device holds only its stage's parameters, and its optimizer
+  state (or, for an optimizer that does not act leaf by leaf, such as
+  `optax.adamw(mask=...)`, 1/P of every leaf's state in the model's layout:
+  see `Plan.optimizer_view`).
   Each step splits the batch into `microbatches` that flow through the stages
   under the `schedule`:
 
