@@ -229,6 +229,35 @@ def test_2x2x2_with_mixed_precision_and_accumulation():
   )
 
 
+@pytest.mark.parametrize(
+  "name",
+  ["clip + adam under apply_if_finite", "MultiSteps of LAMB under apply_if_finite"],
+)
+def test_an_optimizers_cond_with_collectives_is_not_taken_for_a_stage_branch(name):
+  # `optax.apply_if_finite` runs the update in a `lax.cond` on one predicate for all
+  # devices; XLA puts the norms' all-reduces (over "stage" and "model") inside it. The
+  # branch check took it for a per-stage switch and refused the step as a hang:
+  # clipping before Adam since the check came in, LAMB (on the model-layout view) since
+  # per-leaf optimizers came to the pipeline.
+  optimizer = {
+    "clip + adam under apply_if_finite": optax.apply_if_finite(
+      optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)), 3
+    ),
+    "MultiSteps of LAMB under apply_if_finite": optax.apply_if_finite(
+      optax.MultiSteps(optax.lamb(1e-2), every_k_schedule=2), 3
+    ),
+  }[name]
+  parstrat.testing.check_strategy(
+    parstrat.Hybrid(data=2, stages=2, model=2),
+    mlp([16, 16, 10]),
+    {name: optimizer},
+    steps=3,
+    batch=8,
+    features=12,
+    atol=1e-4,
+  )
+
+
 def test_a_step_with_collectives_inside_stage_branches_is_refused_before_it_runs():
   # Known case: saved residuals under mixed bfloat16 with a model axis. XLA moves
   # collective-permutes into the per-stage branches; run, the step hangs (the CPU

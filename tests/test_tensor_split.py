@@ -226,8 +226,9 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   assert found[1].groups == ((0, 1, 2, 3),)  # one rendezvous of every device in its pairs
   problems = hlo_check.branch_problems(text, mesh)
   assert len(problems) == 2
-  assert problems[0].startswith("collective-permute bad") and "['data', 'stage']" in problems[0]
-  assert problems[1].startswith("all-reduce across")
+  # Named by the axes its devices differ along (devices 0-3 share "data"; 0 and 4 "stage").
+  assert problems[0].startswith("collective-permute bad") and "along ['stage']" in problems[0]
+  assert problems[1].startswith("all-reduce across") and "along ['data']" in problems[1]
 
 
 def test_branch_problems_leaves_out_switches_every_device_takes_alike():
@@ -256,6 +257,10 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   # The benchmark's measured bubble tells the exchange from the pass switch by name.
   assert hlo_check.uniform_switches(uniform) == {"c"}
   assert hlo_check.uniform_switches(per_stage) == set()
+  # A cond nested under the scope (the optimizer's, e.g. MultiSteps inside
+  # apply_if_finite) is one every device takes alike too.
+  nested = text.replace("SCOPE/cond", f"{hlo_check.UNIFORM_SCOPE}/cond/branch_1_fun/cond")
+  assert hlo_check.branch_collectives(nested) == []
 
 
 def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids():
@@ -267,6 +272,9 @@ def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids()
     line.format(name="listed", id=2, mesh="'a'=2,'b'=2", ids=", device_ids=(3,2,1,0)", over="'a'"),
     line.format(name="iota", id=3, mesh="'a'=2,'b'=2", over="'b'",
                 ids=", device_ids=([4]<=[2,2]T(1,0))"),
+    # An iota without its flat shape, as XLA printed it for an optimizer's norm (helper 66).
+    line.format(name="shaped", id=4, mesh="'a'=2,'b'=4", over="'a'",
+                ids=", device_ids=([2,2,2]T(1,0,2))"),
   ]  # fmt: skip
   text = (
     "HloModule m\n\n%branch (p: f32[16,32]) -> f32[16,32] {\n  %p = f32[16,32]{1,0} parameter(0)\n"
@@ -274,9 +282,15 @@ def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids()
   text += "\n".join(body) + "\n}\n\nENTRY %main (i: s32[], x: f32[16,32]) -> f32[16,32] {\n"
   text += "  ROOT %c = f32[16,32]{1,0} conditional(%i, %x), branch_computations={%branch}\n}\n"
   found = {c.name: c.groups for c in hlo_check.branch_collectives(text)}
-  assert found == {"plain": ((0, 1),), "listed": ((3, 1), (2, 0)), "iota": ((0, 2), (1, 3))}
+  assert found == {
+    "plain": ((0, 1),),
+    "listed": ((3, 1), (2, 0)),
+    "iota": ((0, 2), (1, 3)),
+    "shaped": ((0, 2), (1, 3), (4, 6), (5, 7)),
+  }
   two = jax.make_mesh((1, 1, 2), ("data", "stage", "model"), devices=jax.devices()[:2])
-  assert hlo_check.branch_problems(text.replace(body[1], "").replace(body[2], ""), two) == []
+  only_plain = text.replace(body[1], "").replace(body[2], "").replace(body[3], "")
+  assert hlo_check.branch_problems(only_plain, two) == []
 
 
 def test_a_marker_followed_by_a_parameter_free_op_cuts_before_the_next_layer():

@@ -29,11 +29,13 @@ _CALLED = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
-#: The `jax.named_scope` of a `lax.switch` whose index is the same on every device
-#: (e.g. the pipeline's exchange, picked by the tick): every device runs the branch
-#: it takes, so the collectives inside it are reached by all their participants.
+#: The `jax.named_scope` of code whose `lax.switch`es and `lax.cond`s take an index
+#: that is the same on every device (the pipeline's exchange, picked by the tick;
+#: the optimizer's update on global arrays, e.g. `optax.apply_if_finite`): every
+#: device runs the branch it takes, so the collectives inside it are reached by all
+#: their participants. Every conditional traced under it, nested ones included.
 UNIFORM_SCOPE = "uniform_switch"
-_UNIFORM = re.compile(rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/cond"')
+_UNIFORM = re.compile(rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/[^"]*cond"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,20 @@ class Collective:
 
 
 def _iota(text: str) -> np.ndarray | None:
-  """`[4,2]<=[8]`, `[2,4]<=[4,2]T(1,0)` or a plain `3,2,1,0` -> the array of device ids."""
+  """`[4,2]<=[8]`, `[2,4]<=[4,2]T(1,0)`, `[2,2,2]T(1,0,2)` or a plain `3,2,1,0` -> device ids.
+
+  (`[2,2,2]T(1,0,2)`, as a mesh's `device_ids`, is an iota of that shape,
+  transposed, read in order.)
+  """
   if re.fullmatch(r"\d+(?:,\d+)*", text.strip()):
     return np.array([int(x) for x in text.split(",")])
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+  if m:
+    dims = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(2):
+      ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    return ids.reshape(-1)
   m = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
   if not m:
     return None
@@ -222,11 +235,15 @@ def branch_problems(text: str, mesh: Mesh, vary: tuple[str, ...] = ("model",)) -
       problems.append(f"{c.kind} {c.name}: its participants could not be read")
       continue
     for group in c.groups:
-      coords = {tuple(np.unravel_index(i, shape)[k] for k in fixed) for i in group}
-      if len(coords) > 1:
+      differ = [
+        mesh.axis_names[k]
+        for k in fixed
+        if len({int(np.unravel_index(i, shape)[k]) for i in group}) > 1
+      ]
+      if differ:
         problems.append(
           f"{c.kind} {c.name} inside a conditional branch spans devices {list(group)}, which "
-          f"differ along {[mesh.axis_names[k] for k in fixed]}"
+          f"differ along {differ}"
         )
         break
   return problems
