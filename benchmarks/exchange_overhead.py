@@ -12,7 +12,6 @@ Run: python benchmarks/exchange_overhead.py [--passes 5] [--repeats 15] [--width
 """
 
 import argparse
-import time
 
 import parstrat.testing
 
@@ -27,6 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from references import median_step_time  # noqa: E402
 from references import mlp  # noqa: E402
 from references import shard_map_gpipe_reference  # noqa: E402
 
@@ -75,16 +75,8 @@ def main() -> None:
     for _ in range(ARGS.passes):
       for label, row in rows.items():
         step, state, placed, _ = row
-        state = step(state, placed)
-        jax.block_until_ready(state)
-        samples = []
-        for _ in range(ARGS.repeats):
-          start = time.perf_counter()
-          state = step(state, placed)
-          jax.block_until_ready(state)
-          samples.append(time.perf_counter() - start)
-        row[1] = state
-        times[label].append(float(np.median(samples)))
+        seconds, row[1] = median_step_time(step, state, placed, ARGS.repeats)
+        times[label].append(seconds)
     hand = np.array(times["hand GPipe + metrics"])
     print(f"width {width} (P={STAGES}, M={MICRO}, batch {BATCH}, {ARGS.passes} passes):")
     for label, row in rows.items():

@@ -14,7 +14,6 @@ Run: python benchmarks/optimizer_view.py [--passes 5] [--repeats 10]
 """
 
 import argparse
-import time
 
 import parstrat.testing
 
@@ -28,6 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from references import median_step_time  # noqa: E402
 from references import mlp  # noqa: E402
 
 import parstrat  # noqa: E402
@@ -68,16 +68,9 @@ def main() -> None:
   for _ in range(ARGS.passes):
     for label, row in rows.items():
       trainer, state, placed = row[:3]
-      state = trainer.step(state, placed)[0]
-      jax.block_until_ready(state)
-      samples = []
-      for _ in range(ARGS.repeats):
-        start = time.perf_counter()
-        state = trainer.step(state, placed)[0]
-        jax.block_until_ready(state)
-        samples.append(time.perf_counter() - start)
-      row[1] = state
-      times[label].append(float(np.median(samples)))
+      step = lambda s, b, t=trainer: t.step(s, b)[0]  # noqa: E731
+      seconds, row[1] = median_step_time(step, state, placed, ARGS.repeats)
+      times[label].append(seconds)
   base = np.array(times["adamw (stage rows)"])
   print(f"P={STAGES}, M={MICRO}, batch {BATCH}, {ARGS.passes} passes of {ARGS.repeats} steps:")
   for label, (_, state, _, temporaries, viewed) in rows.items():

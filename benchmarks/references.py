@@ -14,6 +14,7 @@ parstrat's. Importing this module starts no backend and parses no arguments.
 from __future__ import annotations
 
 import functools
+import time
 
 import haiku as hk
 import jax
@@ -30,6 +31,23 @@ from parstrat._src.strategy import STEP_COMPILER_OPTIONS
 #: The XLA options the jitted references compile with: the same as parstrat's step, so
 #: a ratio compares the programs, not the compiler settings. (`jax.pmap` takes none.)
 REFERENCE_OPTIONS = dict(STEP_COMPILER_OPTIONS)
+
+
+def median_step_time(step, state, batch, repeats):
+  """`(median seconds, state)` of `repeats` calls `state = step(state, batch)`, after one more.
+
+  For the benchmarks that time passes of their rows in turn (`exchange_overhead.py`,
+  `optimizer_view.py`): the first call of each pass is not timed.
+  """
+  state = step(state, batch)
+  jax.block_until_ready(state)
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    state = step(state, batch)
+    jax.block_until_ready(state)
+    samples.append(time.perf_counter() - start)
+  return float(np.median(samples)), state
 
 
 def mlp(widths):
