@@ -231,20 +231,28 @@ def test_2x2x2_with_mixed_precision_and_accumulation():
 
 @pytest.mark.parametrize(
   "name",
-  ["clip + adam under apply_if_finite", "MultiSteps of LAMB under apply_if_finite"],
+  [
+    "clip + adam under apply_if_finite",
+    "MultiSteps of LAMB under apply_if_finite",
+    "apply_if_finite of LAMB under MultiSteps",
+  ],
 )
 def test_an_optimizers_cond_with_collectives_is_not_taken_for_a_stage_branch(name):
   # `optax.apply_if_finite` runs the update in a `lax.cond` on one predicate for all
   # devices; XLA puts the norms' all-reduces (over "stage" and "model") inside it. The
   # branch check took it for a per-stage switch and refused the step as a hang:
   # clipping before Adam since the check came in, LAMB (on the model-layout view) since
-  # per-leaf optimizers came to the pipeline.
+  # per-leaf optimizers came to the pipeline. The last one nests a cond in MultiSteps'
+  # (`.../uniform_switch/cond/branch_0_fun/cond`: helper 67).
   optimizer = {
     "clip + adam under apply_if_finite": optax.apply_if_finite(
       optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)), 3
     ),
     "MultiSteps of LAMB under apply_if_finite": optax.apply_if_finite(
       optax.MultiSteps(optax.lamb(1e-2), every_k_schedule=2), 3
+    ),
+    "apply_if_finite of LAMB under MultiSteps": optax.MultiSteps(
+      optax.apply_if_finite(optax.lamb(1e-2), 3), every_k_schedule=2
     ),
   }[name]
   parstrat.testing.check_strategy(

@@ -139,9 +139,11 @@ def _computations(text: str) -> dict[str, list[str]]:
 def uniform_switches(text: str) -> set[str]:
   """The names of the `conditional`s traced under `UNIFORM_SCOPE` in compiled HLO `text`.
 
-  Every device takes the same branch of these (the pipeline's exchange). A
-  profiler trace names its events after the instructions, so these names tell
-  the exchange apart from the per-tick pass switch there too.
+  Every device takes the same branch of these (the pipeline's exchange, and
+  the optimizer's own conditionals). A profiler trace names its events after
+  the instructions, so these names tell them apart from the per-tick pass
+  switch there too (the benchmark's measured bubble counts neither as a
+  stage's work).
   """
   return {
     m.group(1)
