@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import optax
 
+from parstrat._src import optimizers as optimizers_lib
 from parstrat._src import trees
 from parstrat._src.messages import first_line
 
@@ -193,7 +194,10 @@ def _difference(
   # eagerly, each of their operations would compile on its own, per leaf shape
   # (a few seconds per probe of a deep model), and control flow such as
   # MultiSteps' `lax.cond` would be traced and compiled again at every step.
-  init, update = jax.jit(optimizer.init), jax.jit(optimizer.update)
+  # (A loss for the optimizers that read one, e.g. reduce_on_plateau: a constant,
+  # so the same on both layouts.)
+  init = jax.jit(optimizer.init)
+  update = jax.jit(lambda g, s, p: optimizers_lib.update(optimizer, g, s, p, np.float32(1.0)))
   to_stored, to_params = jax.jit(plan.to_stored), jax.jit(plan.to_params)
   apply_updates = jax.jit(optax.apply_updates)
   params = draw()

@@ -1,10 +1,45 @@
-"""Optimizers by name for `parstrat train`: optax's, with warm-up, cosine decay and clipping."""
+"""Optimizers by name for `parstrat train`: optax's, with warm-up, cosine decay and clipping.
+
+Also `update`, how every trainer calls an optimizer: with the step's loss
+where the optimizer takes extra arguments.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import optax
+
+
+def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tuple[Any, Any]:
+  """`optimizer.update(grads, state, params)`, passing `value=loss` where it takes extra args.
+
+  Transforms that read the loss (`optax.contrib.reduce_on_plateau`,
+  `optax.scale_by_polyak`) get it as `value`; chains hand it only to those,
+  so every other optimizer is called as before.
+
+  Args:
+    optimizer: an optax optimizer (or anything with optax's `update`).
+    grads, state, params: as for `optimizer.update`.
+    loss: the step's loss (the mean over the global batch).
+
+  Returns:
+    `(updates, new_state)`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=0))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = opt.init(params)
+    >>> for loss in (1.0, 2.0, 2.0):  # no improvement: the scale drops
+    ...   updates, state = update(opt, params, state, params, jnp.float32(loss))
+    >>> float(state[1].scale) < 1.0
+    True
+  """
+  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    return optimizer.update(grads, state, params, value=loss)
+  return optimizer.update(grads, state, params)
 
 
 def _with_l2(make):

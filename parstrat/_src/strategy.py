@@ -39,6 +39,7 @@ from parstrat._src import distributed
 from parstrat._src import hlo_check
 from parstrat._src import messages
 from parstrat._src import optimizer_probe
+from parstrat._src import optimizers as optimizers_lib
 from parstrat._src import precision as precision_lib
 from parstrat._src import trees
 
@@ -1165,13 +1166,13 @@ class Trainer:
     optimizer = self.optimizer
     view = plan.optimizer_view
 
-    def optimizer_update(grads, opt_state, params):
+    def optimizer_update(grads, opt_state, params, loss):
       # On global arrays, outside every map: a `lax.cond` in the optimizer
       # (`apply_if_finite`, `MultiSteps`) has one predicate for all devices, so
       # the collectives XLA puts in its branches are reached by all (the branch
       # check must not take it for a pipeline stage's `lax.switch`).
       with jax.named_scope(hlo_check.UNIFORM_SCOPE):
-        return optimizer.update(grads, opt_state, params)
+        return optimizers_lib.update(optimizer, grads, opt_state, params, loss)
 
     skip_nonfinite = self.skip_nonfinite
     uses_default_loss = self.uses_default_loss
@@ -1187,10 +1188,10 @@ class Trainer:
         loss, grads, model_state = grad_fn(*args)
         grad_norm = optax.tree_utils.tree_norm(grads)
       if view is None:
-        updates, opt_state = optimizer_update(grads, state.opt_state, state.params)
+        updates, opt_state = optimizer_update(grads, state.opt_state, state.params, loss)
       else:  # an optimizer that does not act leaf by leaf, on the model's layout
         grads_view, params_view = view.to_view(grads), view.to_view(state.params)
-        updates, opt_state = optimizer_update(grads_view, state.opt_state, params_view)
+        updates, opt_state = optimizer_update(grads_view, state.opt_state, params_view, loss)
         updates = view.from_view(updates)
       params = optax.apply_updates(state.params, updates)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from parstrat._src import checks
+from parstrat._src import optimizers as optimizers_lib
 from parstrat._src import precision as precision_lib
 from parstrat._src import registry
 from parstrat._src.strategy import LossFn
@@ -195,7 +196,7 @@ def reference_train(
       return loss_fn(outputs, targets_of(batch)), new_state
 
     (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    updates, opt_state = optimizers_lib.update(optimizer, grads, opt_state, params, value)
     grad_norm = optax.tree_utils.tree_norm(grads)
     return optax.apply_updates(params, updates), opt_state, model_state, value, grad_norm
 
