@@ -373,3 +373,19 @@ def test_an_optimizer_that_reads_the_loss_gets_it_and_trains_like_jit(strategy):
   for x, y in zip(images, labels, strict=True):
     state, _ = trainer.step(state, (x, y))
   assert float(state.opt_state[1].scale) < 1.0  # (it acted: the comparison means something)
+
+
+@pytest.mark.parametrize("name", ["sam after clipping", "MultiSteps of reduce_on_plateau"])
+def test_optimizers_with_extra_arguments_get_the_loss_only_where_they_take_it(name):
+  # SAM's update takes no `value` (a chain passes extra arguments to it anyway): it
+  # trains as it did before optimizers got the loss. MultiSteps forwards `value` to
+  # its inner optimizer, which reads it (helper 68).
+  optimizer = {
+    "sam after clipping": optax.chain(
+      optax.clip(1.0), optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05))
+    ),
+    "MultiSteps of reduce_on_plateau": optax.MultiSteps(ON_PLATEAU, every_k_schedule=2),
+  }[name]
+  parstrat.testing.check_strategy(
+    parstrat.DataParallel(data=2), MODEL, {name: optimizer}, steps=6, batch=8, features=FEATURES
+  )

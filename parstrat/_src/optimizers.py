@@ -6,6 +6,7 @@ where the optimizer takes extra arguments.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +14,14 @@ import optax
 
 
 def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tuple[Any, Any]:
-  """`optimizer.update(grads, state, params)`, passing `value=loss` where it takes extra args.
+  """`optimizer.update(grads, state, params)`, with `value=loss` where it takes that.
 
   Transforms that read the loss (`optax.contrib.reduce_on_plateau`,
-  `optax.scale_by_polyak`) get it as `value`; chains hand it only to those,
-  so every other optimizer is called as before.
+  `optax.scale_by_polyak`) get it as `value`: an optimizer whose `update`
+  has a `value` parameter or takes `**kwargs` (an optax chain, `MultiSteps`)
+  is called with it. Where that call is refused for the keyword (a chain
+  holding `optax.contrib.sam`, whose update takes no extra arguments) it is
+  called without it, as it was before any optimizer got the loss.
 
   Args:
     optimizer: an optax optimizer (or anything with optax's `update`).
@@ -37,9 +41,22 @@ def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tu
     >>> float(state[1].scale) < 1.0
     True
   """
-  if isinstance(optimizer, optax.GradientTransformationExtraArgs):
-    return optimizer.update(grads, state, params, value=loss)
+  if _takes_value(optimizer):
+    try:
+      return optimizer.update(grads, state, params, value=loss)
+    except TypeError as e:
+      if "unexpected keyword argument 'value'" not in str(e):
+        raise
   return optimizer.update(grads, state, params)
+
+
+def _takes_value(optimizer: Any) -> bool:
+  """Whether `optimizer.update` has a `value` parameter or takes `**kwargs`."""
+  try:
+    parameters = inspect.signature(optimizer.update).parameters.values()
+  except (TypeError, ValueError):  # (no signature to read: called as before)
+    return False
+  return any(p.name == "value" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def _with_l2(make):
