@@ -389,3 +389,20 @@ def test_optimizers_with_extra_arguments_get_the_loss_only_where_they_take_it(na
   parstrat.testing.check_strategy(
     parstrat.DataParallel(data=2), MODEL, {name: optimizer}, steps=6, batch=8, features=FEATURES
   )
+
+
+def test_an_update_that_fails_with_and_without_the_loss_shows_both_errors():
+  # An update that needs `value` and passes it on to SAM, which refuses it: the retry
+  # without `value` fails too, and its error names the first one as its cause (helper 69).
+  from parstrat._src import optimizers  # noqa: PLC0415
+
+  inner = optax.chain(optax.clip(1.0), optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05)))
+
+  def update(updates, state, params=None, *, value):
+    return inner.update(updates, state, params, value=value)
+
+  optimizer = optax.GradientTransformationExtraArgs(inner.init, update)
+  params = {"w": np.ones(2, np.float32)}
+  with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'value'") as e:
+    optimizers.update(optimizer, params, optimizer.init(params), params, 1.0)
+  assert "unexpected keyword argument 'value'" in str(e.value.__cause__)

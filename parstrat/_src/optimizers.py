@@ -41,13 +41,18 @@ def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tu
     >>> float(state[1].scale) < 1.0
     True
   """
-  if _takes_value(optimizer):
-    try:
-      return optimizer.update(grads, state, params, value=loss)
-    except TypeError as e:
-      if "unexpected keyword argument 'value'" not in str(e):
-        raise
-  return optimizer.update(grads, state, params)
+  if not _takes_value(optimizer):
+    return optimizer.update(grads, state, params)
+  try:
+    return optimizer.update(grads, state, params, value=loss)
+  except TypeError as e:
+    if "unexpected keyword argument 'value'" not in str(e):
+      raise
+    refused = e
+  try:
+    return optimizer.update(grads, state, params)
+  except TypeError as e:  # (both fail: the first refusal is the cause to show)
+    raise e from refused
 
 
 def _takes_value(optimizer: Any) -> bool:
