@@ -181,13 +181,20 @@ def stored_order(devices: int, model_stages: int) -> tuple[int, ...]:
   return tuple(j * devices + s for s in range(devices) for j in range(v))
 
 
-def _to_block(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
-  """`leaf` cut into `parts` equal slices along `dim`, as `[parts, leaf.size // parts]`."""
+def to_blocks(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
+  """`leaf` cut into `parts` equal slices along `dim`, as `[parts, leaf.size // parts]`.
+
+  Row j is slice j, flattened with `dim` first (how `SplitLayout` stores a
+  device's slice of a split leaf, and how `optimizer_view` moves pieces).
+  """
   return jnp.moveaxis(leaf, dim, 0).reshape(parts, -1)
 
 
-def _from_block(block: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
-  """The inverse of `_to_block`: `[parts, k]` slices -> the leaf of `shape`."""
+def from_blocks(block: jax.Array, shape: tuple[int, ...], dim: int) -> jax.Array:
+  """The inverse of `to_blocks`: `[parts, k]` slices (or their rows, flat) -> the leaf of `shape`.
+
+  With one flattened row (`to_blocks(...)[j]`), `shape` is that slice's shape.
+  """
   moved = (shape[dim], *shape[:dim], *shape[dim + 1 :])
   return jnp.moveaxis(block.reshape(moved), 0, dim)
 
@@ -294,7 +301,7 @@ class SplitLayout:
     split_rows, replicated_rows = [], []
     for group in (self.stage_leaves[stage] for stage in self.order):
       blocks = [
-        _to_block(leaves[i], self.split_dims[i], self.parts)
+        to_blocks(leaves[i], self.split_dims[i], self.parts)
         for i in group
         if self.split_dims[i] is not None
       ]
@@ -339,7 +346,7 @@ class SplitLayout:
       if dim is None:
         out.append(lax.dynamic_slice_in_dim(flat, off, size).reshape(shape))
         continue
-      leaf = _from_block(lax.slice_in_dim(block, off, off + size // self.parts, axis=1), shape, dim)
+      leaf = from_blocks(lax.slice_in_dim(block, off, off + size // self.parts, axis=1), shape, dim)
       if constrain:
         spec = [None] * len(shape)
         spec[dim] = self.axis

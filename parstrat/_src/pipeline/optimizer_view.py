@@ -36,6 +36,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec
 
+from parstrat._src.pipeline import engine
+
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
@@ -74,6 +76,10 @@ class _Leaf:
     """Elements of the local piece."""
     return math.prod(self.local)
 
+  def piece(self, parts: int) -> tuple[int, ...]:
+    """The shape of the local piece's slice a device holds in the view."""
+    return _local_shape(self.local, self.dim, parts)
+
 
 def _split_dim(shape: tuple[int, ...], parts: int) -> int | None:
   """The largest dimension of `shape` that `parts` divides (None: none, or empty)."""
@@ -84,17 +90,6 @@ def _split_dim(shape: tuple[int, ...], parts: int) -> int | None:
     if n % parts == 0 and (best is None or n > shape[best]):
       best = d
   return best
-
-
-def _blocks(leaf: jax.Array, dim: int, parts: int) -> jax.Array:
-  """`leaf` as `[parts, size // parts]`: row j is its j-th slice along `dim`, flattened."""
-  return jnp.moveaxis(leaf, dim, 0).reshape(parts, -1)
-
-
-def _slice_of(flat: jax.Array, shape: tuple[int, ...], dim: int, parts: int) -> jax.Array:
-  """One flattened row of `_blocks` back to the leaf's slice along `dim`."""
-  moved = (shape[dim] // parts, *shape[:dim], *shape[dim + 1 :])
-  return jnp.moveaxis(flat.reshape(moved), 0, dim)
 
 
 def _local_shape(shape: tuple[int, ...], model_dim: int | None, parts: int) -> tuple[int, ...]:
@@ -251,7 +246,7 @@ class ModelLayoutView:
           if leaf.dim is None:
             segment.append(flat)
           else:
-            send.append(_blocks(self._local(flat, leaf), leaf.dim, parts))
+            send.append(engine.to_blocks(self._local(flat, leaf), leaf.dim, parts))
         send_buffer = jnp.concatenate(send, axis=1) if send else jnp.zeros((parts, 0), self.dtype)
         segment_buffer = jnp.concatenate(segment) if segment else jnp.zeros((0,), self.dtype)
         return (
@@ -275,23 +270,23 @@ class ModelLayoutView:
         else:
           width = leaf.size // parts
           flat = lax.slice_in_dim(received[leaf.device], leaf.column, leaf.column + width)
-          out.append(_slice_of(flat, leaf.local, leaf.dim, parts))
+          out.append(engine.from_blocks(flat, leaf.piece(parts), leaf.dim))
       return jax.tree.unflatten(self.treedef, out)
 
     return self._per_device(local, (self._stored_specs(),), self.spec())(stored)
 
   def _local(self, flat: jax.Array, leaf: _Leaf) -> jax.Array:
-    """A local piece from its stored form: a split leaf's slice is stored as `_blocks` rows."""
+    """A local piece from its stored form (a split leaf's slice: a `to_blocks` row)."""
     if leaf.model_dim is None:
       return flat.reshape(leaf.local)
-    return _slice_of(flat, leaf.shape, leaf.model_dim, self.model_parts)
+    return engine.from_blocks(flat, leaf.local, leaf.model_dim)
 
   @staticmethod
   def _flat(piece: jax.Array, leaf: _Leaf) -> jax.Array:
     """The inverse of `_local`: a local piece in its stored form."""
     if leaf.model_dim is None:
       return piece.reshape(-1)
-    return jnp.moveaxis(piece, leaf.model_dim, 0).reshape(-1)
+    return engine.to_blocks(piece, leaf.model_dim, 1).reshape(-1)
 
   def from_view(self, tree: Any) -> Any:
     """The inverse of `to_view`: the params' tree (laid out by `spec`) -> the stored rows."""
@@ -311,11 +306,7 @@ class ModelLayoutView:
                 continue
               width = leaf.size // parts
               pieces = lax.slice_in_dim(received, leaf.column, leaf.column + width, axis=1)
-              whole = jnp.concatenate(
-                [_slice_of(pieces[j], leaf.local, leaf.dim, parts) for j in range(parts)],
-                axis=leaf.dim,
-              )
-              flat.append(self._flat(whole, leaf))
+              flat.append(self._flat(engine.from_blocks(pieces, leaf.local, leaf.dim), leaf))
             row = jnp.concatenate(flat) if flat else jnp.zeros((0,), self.dtype)
             rows.append(jnp.pad(row.astype(self.dtype), (0, size - row.shape[0])))
           buffers.append(jnp.stack(rows))
@@ -327,7 +318,7 @@ class ModelLayoutView:
       send = []
       for device in range(parts):  # what goes to `device`: its leaves' pieces held here
         pieces = [
-          jnp.moveaxis(local_leaves[i], leaf.dim, 0).reshape(-1)
+          engine.to_blocks(local_leaves[i], leaf.dim, 1).reshape(-1)
           for i, leaf in enumerate(leaves)
           if leaf.device == device and leaf.dim is not None
         ]
