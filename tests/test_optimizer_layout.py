@@ -406,3 +406,96 @@ def test_an_update_that_fails_with_and_without_the_loss_shows_both_errors():
   with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'value'") as e:
     optimizers.update(optimizer, params, optimizer.init(params), params, 1.0)
   assert "unexpected keyword argument 'value'" in str(e.value.__cause__)
+
+
+#: Line searches: they evaluate the loss (and its gradient) at trial params, through
+#: `value_fn`. Backtracking from a learning rate these gradients overshoot must
+#: shrink it; the masked decay before L-BFGS makes the pipelines run it on their view.
+LINE_SEARCHES = {
+  "lbfgs": optax.lbfgs(),
+  "backtracking sgd": optax.chain(
+    optax.sgd(1e3), optax.scale_by_backtracking_linesearch(max_backtracking_steps=30)
+  ),
+  "masked decay, then lbfgs": optax.chain(
+    optax.add_decayed_weights(1e-2, mask=_decay_mask), optax.lbfgs()
+  ),
+}
+
+
+@pytest.mark.parametrize(
+  ("strategy", "name"),
+  [
+    (parstrat.DataParallel(data=2), "lbfgs"),
+    (parstrat.FSDP(data=2), "backtracking sgd"),
+    (parstrat.PipelineModelParallel(stages=2, schedule="zb_h1"), "lbfgs"),
+    (parstrat.Hybrid(data=2, stages=2, model=2), "backtracking sgd"),
+    (parstrat.PipelineModelParallel(stages=2), "masked decay, then lbfgs"),
+  ],
+  ids=repr,
+)
+def test_line_searches_get_the_strategys_loss_function_and_train_like_jit(strategy, name):
+  # optax.lbfgs failed under every strategy: its line search needs `grad` and
+  # `value_fn`, and optax's `tree_map_params` cannot run its `init` (IndexError).
+  optimizer = LINE_SEARCHES[name]
+  parstrat.testing.check_strategy(
+    strategy, MODEL, {name: optimizer}, steps=3, batch=8, features=FEATURES
+  )
+  images, labels = parstrat.testing.random_batches(1, 8, features=FEATURES)
+  trainer = strategy(MODEL, optimizer)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  state, _ = trainer.step(state, (images[0], labels[0]))
+  search = state.opt_state[-1]  # (it searched: the comparison means something)
+  if name == "backtracking sgd":
+    assert float(search.learning_rate) < 1e-2
+  else:  # the zoom search keeps the loss and gradient it found at the new params:
+    # the batch's, as the next step computes them (the gradient through `value_fn`)
+    zoom = search if hasattr(search, "info") else search[-1]  # (lbfgs inside a chain)
+    _, metrics = trainer.step(state, (images[0], labels[0]))
+    np.testing.assert_allclose(zoom.value, metrics["loss"], rtol=1e-5)
+    np.testing.assert_allclose(optax.tree.norm(zoom.grad), metrics["grad_norm"], rtol=1e-4)
+  assert (trainer.plan.optimizer_view is not None) == (name == "masked decay, then lbfgs")
+
+
+def test_a_line_search_state_is_sharded_like_the_params():
+  # lbfgs keeps its last updates stacked, [memory, *param.shape]: split like the param.
+  trainer = parstrat.FSDP(data=2, replicate_below=0)(MODEL, optax.lbfgs(memory_size=3))
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  params = trainer.params(state)
+  memory = state.opt_state[0].diff_params_memory
+  for (path, param), kept in zip(
+    jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(memory), strict=True
+  ):
+    assert kept.shape == (3, *param.shape), path
+    assert kept.sharding.spec == jax.sharding.PartitionSpec(None, *param.sharding.spec), path
+  assert jax.tree.structure(params) == jax.tree.structure(memory)
+
+
+def test_a_line_search_state_moves_between_a_pipeline_and_data_parallel():
+  # lbfgs's stacked memory is exported in the model's layout (one param-like tree
+  # per remembered step) and imported into the pipeline's rows: the losses of the
+  # uninterrupted run.
+  images, labels = parstrat.testing.random_batches(6, 8, features=FEATURES)
+  optimizer = optax.lbfgs(memory_size=3)
+  trainer = parstrat.DataParallel(data=2)(MODEL, optimizer)
+  state = trainer.init(jax.random.key(0), images[0][:1])
+  losses = []
+  for i in range(6):
+    if i == 2:
+      exported = trainer.export_state(state)
+    state, metrics = trainer.step(state, (images[i], labels[i]))
+    losses.append(float(metrics["loss"]))
+  pipeline = parstrat.PipelineModelParallel(stages=2)(MODEL, optimizer)
+  pipeline.init(jax.random.key(1), images[0][:1])
+  moved = pipeline.import_state(exported)
+  assert pipeline.plan.optimizer_view is None  # (its sums need no view: on the rows)
+  rows = moved.params.shape
+  assert moved.opt_state[0].diff_params_memory.shape == (3, *rows)
+  got = []
+  for i in range(2, 4):
+    moved, metrics = pipeline.step(moved, (images[i], labels[i]))
+    got.append(float(metrics["loss"]))
+  back = trainer.import_state(pipeline.export_state(moved))
+  for i in range(4, 6):
+    back, metrics = trainer.step(back, (images[i], labels[i]))
+    got.append(float(metrics["loss"]))
+  np.testing.assert_allclose(got, losses[2:], rtol=1e-5)

@@ -195,9 +195,15 @@ def _difference(
   # (a few seconds per probe of a deep model), and control flow such as
   # MultiSteps' `lax.cond` would be traced and compiled again at every step.
   # (A loss for the optimizers that read one, e.g. reduce_on_plateau: a constant,
-  # so the same on both layouts.)
-  init = jax.jit(optimizer.init)
-  update = jax.jit(lambda g, s, p: optimizers_lib.update(optimizer, g, s, p, np.float32(1.0)))
+  # so the same on both layouts; and a loss function for line searches, e.g.
+  # lbfgs: half the params' squared norm, which the flat layout's zero padding
+  # does not change.)
+  init = jax.jit(lambda p: optimizers_lib.init(optimizer, p))
+  update = jax.jit(
+    lambda g, s, p: optimizers_lib.update(
+      optimizer, g, s, p, np.float32(1.0), optimizers_lib.stand_in_loss
+    )
+  )
   to_stored, to_params = jax.jit(plan.to_stored), jax.jit(plan.to_params)
   apply_updates = jax.jit(optax.apply_updates)
   params = draw()

@@ -1,32 +1,48 @@
 """Optimizers by name for `parstrat train`: optax's, with warm-up, cosine decay and clipping.
 
-Also `update`, how every trainer calls an optimizer: with the step's loss
-where the optimizer takes extra arguments.
+Also `update`, how every trainer calls an optimizer: with the step's loss,
+gradient and loss function where the optimizer takes extra arguments.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 
-def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tuple[Any, Any]:
-  """`optimizer.update(grads, state, params)`, with `value=loss` where it takes that.
+def update(
+  optimizer: Any,
+  grads: Any,
+  state: Any,
+  params: Any,
+  loss: Any,
+  value_fn: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any]:
+  """`optimizer.update(grads, state, params)`, with the loss where it takes that.
 
-  Transforms that read the loss (`optax.contrib.reduce_on_plateau`,
-  `optax.scale_by_polyak`) get it as `value`: an optimizer whose `update`
-  has a `value` parameter or takes `**kwargs` (an optax chain, `MultiSteps`)
-  is called with it. Where that call is refused for the keyword (a chain
-  holding `optax.contrib.sam`, whose update takes no extra arguments) it is
-  called without it, as it was before any optimizer got the loss.
+  optax's convention for optimizers that need more than the gradient is three
+  keyword arguments: `value` (the loss at `params`; read by
+  `optax.contrib.reduce_on_plateau`, `optax.scale_by_polyak`), `grad` (the
+  gradient at `params`) and `value_fn` (the loss as a function of the params;
+  the line searches of `optax.lbfgs`, `optax.scale_by_zoom_linesearch` and
+  `optax.scale_by_backtracking_linesearch` evaluate and differentiate it at
+  other params). Each is passed where `optimizer.update` names it, all three
+  where it takes `**kwargs` (an optax chain, `MultiSteps`), and `value_fn` only
+  where one is given. Where that call is refused for one of the keywords (a
+  chain holding `optax.contrib.sam`, whose update takes no extra arguments) it
+  is called without them, as it was before any optimizer got the loss.
 
   Args:
     optimizer: an optax optimizer (or anything with optax's `update`).
     grads, state, params: as for `optimizer.update`.
     loss: the step's loss (the mean over the global batch).
+    value_fn: `params -> loss` on the step's batch (see `loss_function`), or None.
 
   Returns:
     `(updates, new_state)`.
@@ -41,12 +57,16 @@ def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tu
     >>> float(state[1].scale) < 1.0
     True
   """
-  if not _takes_value(optimizer):
+  offered = {"value": loss, "grad": grads}
+  if value_fn is not None:
+    offered["value_fn"] = value_fn
+  extras = _extra_args(optimizer, offered)
+  if not extras:
     return optimizer.update(grads, state, params)
   try:
-    return optimizer.update(grads, state, params, value=loss)
+    return optimizer.update(grads, state, params, **extras)
   except TypeError as e:
-    if "unexpected keyword argument 'value'" not in str(e):
+    if not re.search(r"unexpected keyword argument '(value|grad|value_fn)'", str(e)):
       raise
     refused = e
   try:
@@ -55,13 +75,100 @@ def update(optimizer: Any, grads: Any, state: Any, params: Any, loss: Any) -> tu
     raise e from refused
 
 
-def _takes_value(optimizer: Any) -> bool:
-  """Whether `optimizer.update` has a `value` parameter or takes `**kwargs`."""
+def init(optimizer: Any, params: Any) -> Any:
+  """`optimizer.init(params)`, each leaf typed as `optimizer.update` will return it.
+
+  Some optax states start with weakly typed scalars that their update returns
+  strongly typed (`optax.lbfgs`'s line-search info): a step that took such a
+  state would compile a second time for its own output. Those leaves are made
+  strong here (the value and dtype are unchanged); every other leaf is as
+  `optimizer.init` made it.
+
+  Args:
+    optimizer: an optax optimizer.
+    params: the params (or a pytree of `jax.ShapeDtypeStruct` under `jax.eval_shape`).
+
+  Returns:
+    The optimizer's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.ones(2)}
+    >>> optax.lbfgs().init(params)[2].info.decrease_error.weak_type
+    True
+    >>> init(optax.lbfgs(), params)[2].info.decrease_error.weak_type
+    False
+  """
+  state = optimizer.init(params)
+  try:  # the state after one update, by its types only (nothing is computed)
+    updated = jax.eval_shape(
+      lambda s, p: update(optimizer, p, s, p, jnp.float32(0), stand_in_loss)[1], state, params
+    )
+  except Exception:  # noqa: BLE001 - the step itself reports an update that fails
+    return state
+  if jax.tree.structure(updated) != jax.tree.structure(state):
+    return state
+
+  def settle(x, after):
+    if getattr(x, "weak_type", False) and not after.weak_type and x.dtype == after.dtype:
+      return jnp.asarray(x, dtype=x.dtype)
+    return x
+
+  return jax.tree.map(settle, state, updated)
+
+
+def stand_in_loss(params: Any) -> jax.Array:
+  """Half the params' squared norm: a loss function for an update run by its types
+  only, or on another layout of the same params (zero padding does not change it)."""
+  return 0.5 * sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(params))
+
+
+def loss_function(loss_and_grad: Callable[[Any], tuple[Any, Any]]) -> Callable[[Any], Any]:
+  """`params -> loss`, differentiated by the gradient `loss_and_grad` computes.
+
+  A line search (`optax.lbfgs`) evaluates and differentiates its `value_fn`
+  at trial params. A strategy's loss is computed by its own distributed
+  program (a pipeline schedule runs its backward itself), so this function's
+  gradient is not found by differentiating that program again: it is the
+  gradient the program returns beside the loss (a `jax.custom_vjp`).
+
+  Args:
+    loss_and_grad: `params -> (loss, grads)`, grads shaped like the params.
+
+  Returns:
+    `value_fn(params) -> loss`, with `jax.grad(value_fn)(params) == grads`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> f = loss_function(lambda w: (jnp.sum(w**2), 2 * w))
+    >>> jax.value_and_grad(f)(jnp.array([1.0, 2.0]))
+    (Array(5., dtype=float32), Array([2., 4.], dtype=float32))
+  """
+
+  @jax.custom_vjp
+  def value_fn(params):
+    return loss_and_grad(params)[0]
+
+  def forward(params):
+    return loss_and_grad(params)
+
+  def backward(grads, cotangent):
+    return (jax.tree.map(lambda g: (cotangent * g).astype(g.dtype), grads),)
+
+  value_fn.defvjp(forward, backward)
+  return value_fn
+
+
+def _extra_args(optimizer: Any, offered: dict[str, Any]) -> dict[str, Any]:
+  """The keywords of `offered` that `optimizer.update` names (all, for `**kwargs`)."""
   try:
     parameters = inspect.signature(optimizer.update).parameters.values()
   except (TypeError, ValueError):  # (no signature to read: called as before)
-    return False
-  return any(p.name == "value" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return {}
+  if any(p.kind is p.VAR_KEYWORD for p in parameters):
+    return offered
+  names = {p.name for p in parameters}
+  return {name: x for name, x in offered.items() if name in names}
 
 
 def _with_l2(make):

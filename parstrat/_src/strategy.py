@@ -320,7 +320,8 @@ def _bound(fn: Callable, axes: tuple[str, ...]) -> Callable:
 
 def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: Any) -> Any:
   """Optimizer-state shardings: a leaf whose path ends with a param's, and of its shape,
-  gets that param's sharding; any other leaf is replicated. (Only a layout: a wrong
+  gets that param's sharding (with a leading axis more: that sharding after an unsplit
+  axis); any other leaf is replicated. (Only a layout: a wrong
   match costs memory, never a number.)"""
   by_path = {
     tuple(path): (param.shape, sharding)
@@ -335,6 +336,9 @@ def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: 
       shape, sharding = by_path.get(tuple(path[len(path) - n :]), (None, None))
       if n <= len(path) and shape == x.shape:
         return sharding
+      if n <= len(path) and shape is not None and shape == x.shape[1:]:
+        # A history of that param, stacked (lbfgs's last updates): split like it.
+        return NamedSharding(sharding.mesh, P(None, *sharding.spec))
     return replicated
 
   return jax.tree_util.tree_map_with_path(leaf, opt_state)
@@ -898,7 +902,7 @@ class Trainer:
     params, model_state = initialised if stateful else (initialised, {})
     stored = jax.jit(plan.to_stored, out_shardings=shardings.params)(params)
     opt_state = jax.jit(
-      lambda stored: self.optimizer.init(self._optimizer_params(plan, stored)),
+      lambda stored: optimizers_lib.init(self.optimizer, self._optimizer_params(plan, stored)),
       out_shardings=shardings.opt_state,
     )(stored)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
@@ -998,7 +1002,9 @@ class Trainer:
     # parameter's sharding. Counters and other non-parameter leaves are replicated,
     # and so are per-parameter leaves of another shape (adafactor's factored
     # moments). `multi_transform`'s masked-out leaves (`optax.MaskedNode`) stay.
-    abstract_opt = jax.eval_shape(self.optimizer.init, opt_params)
+    abstract_opt = jax.eval_shape(
+      functools.partial(optimizers_lib.init, self.optimizer), opt_params
+    )
 
     def param_leaf_sharding(leaf, sharding, param):
       if isinstance(leaf, optax.MaskedNode):
@@ -1015,9 +1021,10 @@ class Trainer:
         transform_non_params=lambda _: self._replicated,
         is_leaf=lambda x: isinstance(x, optax.MaskedNode),
       )
-    except (TypeError, AttributeError, KeyError):  # optax runs `init` on a stand-in for
-      # the params, which a function of the params (multi_transform's labels by
-      # `hk.data_structures.map`) cannot read: matched by path instead.
+    except (TypeError, AttributeError, KeyError, IndexError):  # optax runs `init` on a
+      # stand-in for the params, which a function of the params (multi_transform's
+      # labels by `hk.data_structures.map`, lbfgs's line search reading the first
+      # leaf's dtype) cannot read: matched by path instead.
       opt_shardings = _shardings_by_path(
         abstract_opt, opt_params, jax.tree.broadcast(opt_shardings, opt_params), self._replicated
       )
@@ -1166,13 +1173,14 @@ class Trainer:
     optimizer = self.optimizer
     view = plan.optimizer_view
 
-    def optimizer_update(grads, opt_state, params, loss):
+    def optimizer_update(grads, opt_state, params, loss, value_fn):
       # On global arrays, outside every map: a `lax.cond` in the optimizer
       # (`apply_if_finite`, `MultiSteps`) has one predicate for all devices, so
       # the collectives XLA puts in its branches are reached by all (the branch
-      # check must not take it for a pipeline stage's `lax.switch`).
+      # check must not take it for a pipeline stage's `lax.switch`). A line
+      # search's `lax.while_loop` likewise: its condition reads the global loss.
       with jax.named_scope(hlo_check.UNIFORM_SCOPE):
-        return optimizers_lib.update(optimizer, grads, opt_state, params, loss)
+        return optimizers_lib.update(optimizer, grads, opt_state, params, loss, value_fn)
 
     skip_nonfinite = self.skip_nonfinite
     uses_default_loss = self.uses_default_loss
@@ -1187,11 +1195,20 @@ class Trainer:
       else:
         loss, grads, model_state = grad_fn(*args)
         grad_norm = optax.tree_utils.tree_norm(grads)
+
+      def loss_and_grad_at(opt_params):  # for line searches: the same program at other params
+        stored = opt_params if view is None else view.from_view(opt_params)
+        loss, grads = grad_fn(stored, *args[1:])[:2]
+        return loss, grads if view is None else view.to_view(grads)
+
+      value_fn = optimizers_lib.loss_function(loss_and_grad_at)
       if view is None:
-        updates, opt_state = optimizer_update(grads, state.opt_state, state.params, loss)
+        updates, opt_state = optimizer_update(grads, state.opt_state, state.params, loss, value_fn)
       else:  # an optimizer that does not act leaf by leaf, on the model's layout
         grads_view, params_view = view.to_view(grads), view.to_view(state.params)
-        updates, opt_state = optimizer_update(grads_view, state.opt_state, params_view, loss)
+        updates, opt_state = optimizer_update(
+          grads_view, state.opt_state, params_view, loss, value_fn
+        )
         updates = view.from_view(updates)
       params = optax.apply_updates(state.params, updates)
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -1722,7 +1739,7 @@ class Trainer:
     def place(exported):
       stored = plan.to_stored(exported["params"])
       if fresh:
-        opt_state = self.optimizer.init(self._optimizer_params(plan, stored))
+        opt_state = optimizers_lib.init(self.optimizer, self._optimizer_params(plan, stored))
       elif plan.optimizer_view is not None:  # kept in the model's layout
         opt_state = exported["opt_state"]
       else:

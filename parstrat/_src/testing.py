@@ -186,7 +186,9 @@ def reference_train(
   # Compiled (eagerly, each leaf's zeros compile apart) and committed to `device`
   # like the params: a state with an uncommitted leaf (Adam's count) would make
   # the second step compile again, for its committed one.
-  opt_state = jax.device_put(jax.jit(optimizer.init)(params), device)
+  opt_state = jax.device_put(
+    jax.jit(functools.partial(optimizers_lib.init, optimizer))(params), device
+  )
   base = None if rng is None else jax.random.fold_in(rng, 1)
 
   @jax.jit
@@ -196,7 +198,8 @@ def reference_train(
       return loss_fn(outputs, targets_of(batch)), new_state
 
     (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    updates, opt_state = optimizers_lib.update(optimizer, grads, opt_state, params, value)
+    value_fn = lambda p: loss(p)[0]  # noqa: E731 - the batch's loss, for line searches
+    updates, opt_state = optimizers_lib.update(optimizer, grads, opt_state, params, value, value_fn)
     grad_norm = optax.tree_utils.tree_norm(grads)
     return optax.apply_updates(params, updates), opt_state, model_state, value, grad_norm
 

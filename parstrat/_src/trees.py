@@ -111,7 +111,10 @@ def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
   """Applies `fn` to every subtree of `tree` shaped like `like` (e.g. Adam's mu, nu).
 
   A subtree is param-like when it has `like`'s structure and leaf shapes; other
-  subtrees (counters, empty states) are kept as they are.
+  subtrees (counters, empty states) are kept as they are. A subtree of `like`'s
+  structure whose leaves all have one leading axis more, of one size, is a
+  stack of param-like trees (`optax.lbfgs`'s last updates): `fn` is applied to
+  each (by `jax.vmap`).
 
   Args:
     tree: e.g. an optimizer state.
@@ -123,24 +126,30 @@ def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
 
   Example:
     >>> import numpy as np
-    >>> state = {"count": np.int32(0), "mu": {"w": np.ones(2)}}
-    >>> map_param_like(state, {"w": np.zeros(2)}, lambda p: {"w": p["w"] * 3})["mu"]
-    {'w': array([3., 3.])}
+    >>> state = {"count": np.int32(0), "mu": {"w": np.ones(2)}, "memory": {"w": np.ones((3, 2))}}
+    >>> mapped = map_param_like(state, {"w": np.zeros(2)}, lambda p: {"w": p["w"] * 3})
+    >>> mapped["mu"], mapped["memory"]["w"].shape
+    ({'w': array([3., 3.])}, (3, 2))
   """
   like_structure = jax.tree.structure(like)
   like_shapes = [np.shape(x) for x in jax.tree.leaves(like)]
 
-  def is_param_like(node) -> bool:
-    if node is None:
-      return False
-    return (
-      jax.tree.structure(node) == like_structure
-      and [np.shape(x) for x in jax.tree.leaves(node)] == like_shapes
-    )
+  def kind(node) -> str | None:
+    if node is None or jax.tree.structure(node) != like_structure:
+      return None
+    shapes = [np.shape(x) for x in jax.tree.leaves(node)]
+    if shapes == like_shapes:
+      return "param"
+    if shapes and all(
+      len(a) == len(b) + 1 and a[1:] == b for a, b in zip(shapes, like_shapes, strict=True)
+    ):
+      return "stack" if len({a[0] for a in shapes}) == 1 else None
+    return None
 
-  return jax.tree.map(
-    lambda node: fn(node) if is_param_like(node) else node, tree, is_leaf=is_param_like
-  )
+  def map_node(node):
+    return {"param": fn, "stack": jax.vmap(fn), None: lambda x: x}[kind(node)](node)
+
+  return jax.tree.map(map_node, tree, is_leaf=lambda node: kind(node) is not None)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
