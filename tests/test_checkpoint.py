@@ -180,6 +180,13 @@ def test_meta_that_json_cannot_hold_is_refused_before_anything_is_written(tmp_pa
   (tmp_path / "file").write_text("")
   with pytest.raises(ValueError, match=r"Checkpointer: .*file is a file, not a directory"):
     Checkpointer(tmp_path / "file")
+  # A file named like a step was replaced by that step's checkpoint, without a word.
+  (tmp_path / "ckpt" / "3").write_text("my notes")
+  with Checkpointer(tmp_path / "ckpt") as ckpt:
+    with pytest.raises(parstrat.checkpoint.CheckpointError, match=r"ckpt/3 is a file, not a c"):
+      ckpt.save(trainer, state, {}, step=3, force=True)
+    assert ckpt.all_steps() == [0]
+  assert (tmp_path / "ckpt" / "3").read_text() == "my notes"
 
 
 def test_keeps_the_last_n(tmp_path):

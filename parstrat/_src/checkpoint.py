@@ -219,7 +219,8 @@ class Checkpointer:
       TypeError: for a `meta` that is not a dict, or a part of it that JSON
         cannot hold, naming it.
       CheckpointError: for checkpoints at `step` or later of another run (see
-        above), naming them; nothing is written or deleted.
+        above), naming them, or a file where checkpoint `step` would go; nothing
+        is written or deleted.
     """
     if not isinstance(meta, dict):
       raise TypeError(f"meta must be a dict of JSON-able values, got {type(meta).__name__}.")
@@ -227,6 +228,12 @@ class Checkpointer:
     step = int(state.step) if step is None else int(step)
     if not force and step % self.save_every:
       return False
+    target = self._step_dir(step)
+    if target.exists() and not target.is_dir():  # (orbax would put the checkpoint in its place)
+      raise CheckpointError(
+        f"{target} is a file, not a checkpoint: saving step {step} would replace it. "
+        "Move it, or use another directory."
+      )
     steps = self._manager.all_steps()
     # After `restore` fell back past damaged checkpoints, they are newer than the steps
     # trained again; orbax keeps the newest `keep` by step number, so left in place they
