@@ -48,6 +48,7 @@ PER_LEAF = {
   ),
   "lamb": optax.lamb(1e-2),
   "lars": optax.lars(1e-2),
+  "muon": optax.contrib.muon(1e-2),  # (each matrix orthogonalised, by Newton-Schulz)
   # Per-leaf behaviour that shows only after the first update, or only when
   # the leaves' scales differ (the probe's first versions passed these):
   "multi_transform with warmups from 0": optax.multi_transform(
