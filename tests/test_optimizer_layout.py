@@ -376,16 +376,32 @@ def test_an_optimizer_that_reads_the_loss_gets_it_and_trains_like_jit(strategy):
   assert float(state.opt_state[1].scale) < 1.0  # (it acted: the comparison means something)
 
 
-@pytest.mark.parametrize("name", ["sam after clipping", "MultiSteps of reduce_on_plateau"])
+def _loss_scaled_sgd(learning_rate):
+  """A transform of one's own that takes `value` and no other extra argument."""
+
+  def update(updates, state, params=None, *, value):
+    return jax.tree.map(lambda g: -learning_rate * value * g, updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+  "name",
+  ["sam after clipping", "MultiSteps of reduce_on_plateau", "value alone, after clipping"],
+)
 def test_optimizers_with_extra_arguments_get_the_loss_only_where_they_take_it(name):
   # SAM's update takes no `value` (a chain passes extra arguments to it anyway): it
   # trains as it did before optimizers got the loss. MultiSteps forwards `value` to
-  # its inner optimizer, which reads it (helper 68).
+  # its inner optimizer, which reads it (helper 68). A transform taking `value` but
+  # not `grad` and `value_fn` still gets `value` (helper 70).
   optimizer = {
     "sam after clipping": optax.chain(
       optax.clip(1.0), optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05))
     ),
     "MultiSteps of reduce_on_plateau": optax.MultiSteps(ON_PLATEAU, every_k_schedule=2),
+    "value alone, after clipping": optax.chain(
+      optax.clip_by_global_norm(1.0), _loss_scaled_sgd(0.1)
+    ),
   }[name]
   parstrat.testing.check_strategy(
     parstrat.DataParallel(data=2), MODEL, {name: optimizer}, steps=6, batch=8, features=FEATURES
@@ -457,9 +473,12 @@ def test_line_searches_get_the_strategys_loss_function_and_train_like_jit(strate
   assert (trainer.plan.optimizer_view is not None) == (name == "masked decay, then lbfgs")
 
 
-def test_a_line_search_state_is_sharded_like_the_params():
-  # lbfgs keeps its last updates stacked, [memory, *param.shape]: split like the param.
-  trainer = parstrat.FSDP(data=2, replicate_below=0)(MODEL, optax.lbfgs(memory_size=3))
+@pytest.mark.parametrize("linesearch", [True, False])
+def test_a_line_search_state_is_sharded_like_the_params(linesearch):
+  # lbfgs keeps its last updates stacked, [memory, *param.shape]: split like the param,
+  # also without a line search, whose state optax's `tree_map_params` reads (helper 70).
+  optimizer = optax.lbfgs(memory_size=3, **({} if linesearch else {"linesearch": None}))
+  trainer = parstrat.FSDP(data=2, replicate_below=0)(MODEL, optimizer)
   state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
   params = trainer.params(state)
   memory = state.opt_state[0].diff_params_memory

@@ -261,6 +261,15 @@ ENTRY %main (i: s32[], x: f32[4]) -> f32[4] {
   # apply_if_finite) is one every device takes alike too.
   nested = text.replace("SCOPE/cond", f"{hlo_check.UNIFORM_SCOPE}/cond/branch_1_fun/cond")
   assert hlo_check.branch_collectives(nested) == []
+  # But a shard_map inside the scope runs per device again: a line search's `value_fn`
+  # runs the pipeline's stage switches inside the optimizer's update (helper 70). Its
+  # own exchange, marked inside the map, is uniform again.
+  scope = hlo_check.UNIFORM_SCOPE
+  in_map = text.replace("SCOPE/cond", f"{scope}/while/body/jvp()/shard_map/while/body/cond")
+  assert [c.name for c in hlo_check.branch_collectives(in_map)] == ["move"]
+  assert hlo_check.uniform_switches(in_map) == set()
+  marked_again = text.replace("SCOPE/cond", f"{scope}/while/shard_map/scan/{scope}/cond")
+  assert hlo_check.branch_collectives(marked_again) == []
 
 
 def test_branch_problems_reads_mesh_replica_groups_with_and_without_device_ids():

@@ -33,9 +33,14 @@ _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 #: that is the same on every device (the pipeline's exchange, picked by the tick;
 #: the optimizer's update on global arrays, e.g. `optax.apply_if_finite`): every
 #: device runs the branch it takes, so the collectives inside it are reached by all
-#: their participants. Every conditional traced under it, nested ones included.
+#: their participants. Every conditional traced under it, nested ones included, but
+#: not one inside a `shard_map` within it: that runs per device again (a line
+#: search's `value_fn` runs the pipeline, stage switches and all, inside the
+#: optimizer's update), and is uniform only under a mark of its own inside the map.
 UNIFORM_SCOPE = "uniform_switch"
-_UNIFORM = re.compile(rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/[^"]*cond"')
+_UNIFORM = re.compile(
+  rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/(?:(?!shard_map)[^"])*cond"'
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,8 +35,9 @@ def update(
   other params). Each is passed where `optimizer.update` names it, all three
   where it takes `**kwargs` (an optax chain, `MultiSteps`), and `value_fn` only
   where one is given. Where that call is refused for one of the keywords (a
-  chain holding `optax.contrib.sam`, whose update takes no extra arguments) it
-  is called without them, as it was before any optimizer got the loss.
+  chain holding `optax.contrib.sam`, whose update takes no extra arguments, or
+  a transform of one's own that takes `value` alone) it is called again
+  without that one, until a call is not refused for a keyword.
 
   Args:
     optimizer: an optax optimizer (or anything with optax's `update`).
@@ -61,18 +62,18 @@ def update(
   if value_fn is not None:
     offered["value_fn"] = value_fn
   extras = _extra_args(optimizer, offered)
-  if not extras:
-    return optimizer.update(grads, state, params)
-  try:
-    return optimizer.update(grads, state, params, **extras)
-  except TypeError as e:
-    if not re.search(r"unexpected keyword argument '(value|grad|value_fn)'", str(e)):
-      raise
-    refused = e
-  try:
-    return optimizer.update(grads, state, params)
-  except TypeError as e:  # (both fail: the first refusal is the cause to show)
-    raise e from refused
+  refused = None
+  while True:
+    try:
+      return optimizer.update(grads, state, params, **extras)
+    except TypeError as e:
+      found = re.search(r"unexpected keyword argument '(value|grad|value_fn)'", str(e))
+      if found is None or found.group(1) not in extras:
+        if refused is None:
+          raise
+        raise e from refused  # (the first refusal is the cause to show)
+      refused = refused or e
+      extras = {name: x for name, x in extras.items() if name != found.group(1)}
 
 
 def init(optimizer: Any, params: Any) -> Any:

@@ -334,14 +334,26 @@ def _shardings_by_path(opt_state: Any, params: Any, shardings: Any, replicated: 
   def leaf(path, x):
     for n in lengths:
       shape, sharding = by_path.get(tuple(path[len(path) - n :]), (None, None))
-      if n <= len(path) and shape == x.shape:
-        return sharding
-      if n <= len(path) and shape is not None and shape == x.shape[1:]:
-        # A history of that param, stacked (lbfgs's last updates): split like it.
-        return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+      if n <= len(path) and shape is not None:
+        found = _state_leaf_sharding(x.shape, shape, sharding)
+        if found is not None:
+          return found
     return replicated
 
   return jax.tree_util.tree_map_with_path(leaf, opt_state)
+
+
+def _state_leaf_sharding(
+  shape: tuple[int, ...], param_shape: tuple[int, ...], sharding: NamedSharding
+) -> NamedSharding | None:
+  """An optimizer-state leaf's sharding from its param's: the same for a leaf of the
+  param's shape (Adam's moments), the same after an unsplit axis for a stack of them
+  (lbfgs's last updates, `[memory, *shape]`), None (replicated) for any other."""
+  if tuple(shape) == tuple(param_shape):
+    return sharding
+  if tuple(shape[1:]) == tuple(param_shape):
+    return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+  return None
 
 
 def is_unbound_axis(error: NameError) -> bool:
@@ -998,10 +1010,11 @@ class Trainer:
     else:  # the optimizer runs on the model's layout, each leaf sharded as the view says
       opt_params = abstract_params
       opt_shardings = self._shardings(plan.optimizer_view.spec())
-    # Optimizer-state leaves that mirror a parameter (Adam's moments) get that
-    # parameter's sharding. Counters and other non-parameter leaves are replicated,
-    # and so are per-parameter leaves of another shape (adafactor's factored
-    # moments). `multi_transform`'s masked-out leaves (`optax.MaskedNode`) stay.
+    # Optimizer-state leaves that mirror a parameter (Adam's moments), or stack
+    # copies of it (lbfgs), get that parameter's sharding. Counters and other
+    # non-parameter leaves are replicated, and so are per-parameter leaves of
+    # another shape (adafactor's factored moments). `multi_transform`'s masked-out
+    # leaves (`optax.MaskedNode`) stay.
     abstract_opt = jax.eval_shape(
       functools.partial(optimizers_lib.init, self.optimizer), opt_params
     )
@@ -1009,7 +1022,7 @@ class Trainer:
     def param_leaf_sharding(leaf, sharding, param):
       if isinstance(leaf, optax.MaskedNode):
         return leaf
-      return sharding if leaf.shape == param.shape else self._replicated
+      return _state_leaf_sharding(leaf.shape, param.shape, sharding) or self._replicated
 
     try:
       opt_shardings = optax.tree_utils.tree_map_params(
