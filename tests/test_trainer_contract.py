@@ -420,15 +420,19 @@ def test_sync_batch_norm_under_data_parallel_is_the_whole_batch_statistics():
   trainer = parstrat.DataParallel(data=4)(sync, optax.sgd(0.1))
   state = trainer.init(jax.random.key(0), images[0][:1])
   params, model_state = plain.init(jax.random.key(0), images[0][:1])
-  for x, y in batches:
-    state, metrics = trainer.step(state, (x, y))
 
-    def loss(p, x=x, y=y, model_state=model_state):
+  @jax.jit  # (one program: run eagerly, each operation compiled on its own)
+  def plain_step(params, model_state, x, y):
+    def loss(p):
       logits, new_state = plain.apply(p, model_state, None, x)
       return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
 
-    (expected, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
-    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    (value, model_state), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), model_state, value
+
+  for x, y in batches:
+    state, metrics = trainer.step(state, (x, y))
+    params, model_state, expected = plain_step(params, model_state, x, y)
     np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-5)
   chex.assert_trees_all_close(trainer.params(state), params, rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(state.model_state, model_state, rtol=1e-5, atol=1e-5)
