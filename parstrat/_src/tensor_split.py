@@ -45,6 +45,7 @@ from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
 from parstrat._src import jaxpr_calls
+from parstrat._src import trees
 
 _UNARY = frozenset(
   """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
@@ -489,11 +490,7 @@ def _flops(op: _Op) -> int:
 
 
 def _leaf_names(params: Any) -> list[tuple[str, str]]:
-  out = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
-    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-    out.append((keys[0] if keys else "", "/".join(keys[1:])))
-  return out
+  return [trees.layer_and_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def analyse(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -105,6 +106,25 @@ def all_finite(tree: Any) -> jax.Array:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def layer_and_name(path: Sequence[Any]) -> tuple[str, str]:
+  """A parameter's layer (the path of the dict holding it) and its name in that layer.
+
+  Haiku's `{module: {name: array}}` gives `(module, name)`; a deeper tree (a
+  Flax-style `{"params": {"Dense_0": {"kernel": ...}}}`) its parent path
+  joined by "/"; a leaf at the top `(its key, "")`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> params = {"params": {"Dense_0": {"kernel": np.ones(2)}}, "scale": np.ones(())}
+    >>> [layer_and_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    [('params/Dense_0', 'kernel'), ('scale', '')]
+  """
+  keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  if len(keys) <= 1:
+    return (keys[0] if keys else ""), ""
+  return "/".join(keys[:-1]), keys[-1]
 
 
 def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:

@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from parstrat._src import jaxpr_calls
+from parstrat._src import trees
 
 _MARKER_NAME = "parstrat_stage_boundary"
 
@@ -58,17 +59,10 @@ def _is_marker(eqn) -> bool:
   return eqn.params.get("name") == _MARKER_NAME
 
 
-def _layer_name(path) -> str:
-  key = path[0]
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
 @dataclasses.dataclass(frozen=True)
 class Layer:
-  """One layer of the model: a group of parameters (a Haiku module)."""
+  """One layer of the model: a group of parameters (a Haiku module; in another
+  tree, the parameters one dict holds)."""
 
   name: str
   params: int
@@ -139,7 +133,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   names = []
   leaf_layer = []
   for path, _ in leaves_with_path:
-    name = _layer_name(path)
+    name = trees.layer_and_name(path)[0]
     if name not in names:
       names.append(name)
     leaf_layer.append(names.index(name))
