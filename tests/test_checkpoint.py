@@ -185,8 +185,12 @@ def test_meta_that_json_cannot_hold_is_refused_before_anything_is_written(tmp_pa
   with Checkpointer(tmp_path / "ckpt") as ckpt:
     with pytest.raises(parstrat.checkpoint.CheckpointError, match=r"ckpt/3 is a file, not a c"):
       ckpt.save(trainer, state, {}, step=3, force=True)
+    (tmp_path / "ckpt" / "5").symlink_to(tmp_path / "elsewhere")  # (dangling: helper 71)
+    with pytest.raises(parstrat.checkpoint.CheckpointError, match=r"ckpt/5 is a file, not a c"):
+      ckpt.save(trainer, state, {}, step=5, force=True)
     assert ckpt.all_steps() == [0]
   assert (tmp_path / "ckpt" / "3").read_text() == "my notes"
+  assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["0", "3", "5"]
 
 
 def test_keeps_the_last_n(tmp_path):

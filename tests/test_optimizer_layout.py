@@ -1,6 +1,7 @@
 """Per-leaf optimizer transforms: exact where the model's leaves are kept, refused on flat ones."""
 
 import dataclasses
+import re
 
 import haiku as hk
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 import parstrat
 import parstrat.testing
+from parstrat._src import hlo_check
 from parstrat._src import testing as parstrat_testing
 
 FEATURES = 12
@@ -409,20 +411,28 @@ def test_optimizers_with_extra_arguments_get_the_loss_only_where_they_take_it(na
 
 
 def test_an_update_that_fails_with_and_without_the_loss_shows_both_errors():
-  # An update that needs `value` and passes it on to SAM, which refuses it: the retry
-  # without `value` fails too, and its error names the first one as its cause (helper 69).
+  # A chain whose SAM refuses the extra arguments and whose reduce_on_plateau needs
+  # `value`: the retries without them fail too, and the error names the first refusal
+  # as its cause (helper 69). A refusal from inside an update that names `value`
+  # itself is that update's own error: raised, not retried (helper 71).
   from parstrat._src import optimizers  # noqa: PLC0415
 
-  inner = optax.chain(optax.clip(1.0), optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05)))
+  params = {"w": np.ones(2, np.float32)}
+  sam = optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05))
+  both = optax.chain(sam, optax.contrib.reduce_on_plateau())
+  with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'value'") as e:
+    optimizers.update(both, params, both.init(params), params, 1.0)
+  assert "unexpected keyword argument 'value'" in str(e.value.__cause__)
+
+  inner = optax.chain(optax.clip(1.0), sam)
 
   def update(updates, state, params=None, *, value):
     return inner.update(updates, state, params, value=value)
 
-  optimizer = optax.GradientTransformationExtraArgs(inner.init, update)
-  params = {"w": np.ones(2, np.float32)}
-  with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'value'") as e:
-    optimizers.update(optimizer, params, optimizer.init(params), params, 1.0)
-  assert "unexpected keyword argument 'value'" in str(e.value.__cause__)
+  named = optax.GradientTransformationExtraArgs(inner.init, update)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'value'") as e:
+    optimizers.update(named, params, named.init(params), params, 1.0)
+  assert e.value.__cause__ is None
 
 
 #: Line searches: they evaluate the loss (and its gradient) at trial params, through
@@ -469,6 +479,24 @@ def test_line_searches_get_the_strategys_loss_function_and_train_like_jit(strate
     np.testing.assert_allclose(search.value, metrics["loss"], rtol=1e-5)
     np.testing.assert_allclose(optax.tree.norm(search.grad), metrics["grad_norm"], rtol=1e-4)
   assert (trainer.plan.optimizer_view is not None) == name.startswith("masked decay")
+  if isinstance(strategy, parstrat.Hybrid):  # the stage switches the search runs are
+    # checked for collectives, not taken for uniform ones (helper 71)
+    text = trainer.lower(state, (images[0], labels[0])).compile().as_text()
+    assert _stage_switches_in_the_optimizer(text)
+    assert _stage_switches_in_the_optimizer(text).isdisjoint(hlo_check.uniform_switches(text))
+
+
+def _stage_switches_in_the_optimizer(text):
+  """Conditionals in a `shard_map` under the optimizer's uniform scope, with no mark of
+  their own inside it: a line search's runs of the pipeline's stage switch."""
+  names = set()
+  for line in text.splitlines():
+    op_name = re.search(r'op_name="([^"]*)"', line)
+    if " conditional(" not in line or not op_name or "uniform_switch/" not in op_name[1]:
+      continue
+    if "shard_map/" in op_name[1].split("uniform_switch/")[-1]:
+      names.add(re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)[1])
+  return names
 
 
 @pytest.mark.parametrize("linesearch", [True, False])

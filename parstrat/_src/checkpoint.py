@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import pathlib
 import sys
 import time
@@ -229,7 +230,8 @@ class Checkpointer:
     if not force and step % self.save_every:
       return False
     target = self._step_dir(step)
-    if target.exists() and not target.is_dir():  # (orbax would put the checkpoint in its place)
+    if os.path.lexists(target) and not target.is_dir():  # (orbax would replace it; a
+      # dangling link too, `exists` being False for it)
       raise CheckpointError(
         f"{target} is a file, not a checkpoint: saving step {step} would replace it. "
         "Move it, or use another directory."

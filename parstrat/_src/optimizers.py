@@ -34,10 +34,12 @@ def update(
   `optax.scale_by_backtracking_linesearch` evaluate and differentiate it at
   other params). Each is passed where `optimizer.update` names it, all three
   where it takes `**kwargs` (an optax chain, `MultiSteps`), and `value_fn` only
-  where one is given. Where that call is refused for one of the keywords (a
-  chain holding `optax.contrib.sam`, whose update takes no extra arguments, or
-  a transform of one's own that takes `value` alone) it is called again
-  without that one, until a call is not refused for a keyword.
+  where one is given. Where that call is refused for one of the keywords it
+  got through `**kwargs` (a chain holding `optax.contrib.sam`, whose update
+  takes no extra arguments, or a transform of one's own that takes `value`
+  alone) it is called again without that one, until a call is not refused
+  for a keyword. (A refusal of a keyword the update names itself comes from
+  inside it, and is raised.)
 
   Args:
     optimizer: an optax optimizer (or anything with optax's `update`).
@@ -61,14 +63,17 @@ def update(
   offered = {"value": loss, "grad": grads}
   if value_fn is not None:
     offered["value_fn"] = value_fn
-  extras = _extra_args(optimizer, offered)
+  extras, named = _extra_args(optimizer, offered)
   refused = None
   while True:
     try:
       return optimizer.update(grads, state, params, **extras)
-    except TypeError as e:
-      found = re.search(r"unexpected keyword argument '(value|grad|value_fn)'", str(e))
-      if found is None or found.group(1) not in extras:
+    except Exception as e:
+      found = isinstance(e, TypeError) and re.search(
+        r"unexpected keyword argument '(value|grad|value_fn)'", str(e)
+      )
+      # A keyword the update names itself was not refused by it: an error inside it.
+      if not found or found.group(1) not in extras or found.group(1) in named:
         if refused is None:
           raise
         raise e from refused  # (the first refusal is the cause to show)
@@ -160,16 +165,17 @@ def loss_function(loss_and_grad: Callable[[Any], tuple[Any, Any]]) -> Callable[[
   return value_fn
 
 
-def _extra_args(optimizer: Any, offered: dict[str, Any]) -> dict[str, Any]:
-  """The keywords of `offered` that `optimizer.update` names (all, for `**kwargs`)."""
+def _extra_args(optimizer: Any, offered: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+  """The keywords of `offered` that `optimizer.update` takes (all, for `**kwargs`), and
+  those of them it names itself."""
   try:
     parameters = inspect.signature(optimizer.update).parameters.values()
   except (TypeError, ValueError):  # (no signature to read: called as before)
-    return {}
+    return {}, set()
+  named = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} & set(offered)
   if any(p.kind is p.VAR_KEYWORD for p in parameters):
-    return offered
-  names = {p.name for p in parameters}
-  return {name: x for name, x in offered.items() if name in names}
+    return offered, named
+  return {name: x for name, x in offered.items() if name in named}, named
 
 
 def _with_l2(make):
