@@ -352,6 +352,29 @@ def test_the_probe_compiles_the_same_few_programs_however_many_leaves():
   assert counts[1] == counts[2] <= 10, counts
 
 
+def test_the_probe_runs_once_per_optimizer_and_layout(monkeypatch):
+  # Trainers of one layout given the same optimizer object ("auto"'s candidates, a
+  # trainer built again) reuse the answer: about 0.5-1 s of each pipeline `init`.
+  from parstrat._src import optimizer_probe  # noqa: PLC0415
+
+  probed = []
+  real = optimizer_probe._probe
+  monkeypatch.setattr(optimizer_probe, "_probe", lambda *a: probed.append(a[1]) or real(*a))
+  optimizer = optax.adamw(1e-2, weight_decay=0.1, mask=_decay_mask)
+  for strategy in [parstrat.PipelineModelParallel(stages=2)] * 2 + [
+    parstrat.PipelineModelParallel(stages=4)
+  ] * 2:
+    trainer = strategy(MODEL, optimizer)
+    trainer.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+    assert trainer.plan.optimizer_view is not None  # (the answer, probed or remembered)
+  assert len(probed) == 2
+  other = optax.adamw(1e-2, weight_decay=0.1, mask=_decay_mask)  # another object: probed
+  parstrat.PipelineModelParallel(stages=2)(MODEL, other).init_abstract(
+    jax.random.key(0), np.zeros((1, FEATURES), np.float32)
+  )
+  assert len(probed) == 3
+
+
 #: Reads the loss (`update(..., value=loss)`): halves the scale whenever a step's loss
 #: does not improve on the best so far (patience 0).
 ON_PLATEAU = optax.chain(

@@ -135,7 +135,44 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
     )
 
 
+#: The probe's answers by (optimizer, the plan's layout functions, the params'
+#: structure, shapes and dtypes): trainers of one layout given the same optimizer
+#: object ("auto"'s candidates, a trainer built again) probe it once. Bounded.
+_ANSWERS: dict[Any, str | None] = {}
+_MAX_ANSWERS = 256
+
+
 def _detail(optimizer, plan, abstract_params: Any, strategy: Any) -> str | None:
+  """What differs between the optimizer on the two layouts (None: nothing), remembered."""
+  leaves, treedef = jax.tree.flatten(abstract_params)
+  key = (
+    optimizer,
+    _by_value(plan.to_stored),
+    _by_value(plan.to_params),
+    treedef,
+    tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves),
+  )
+  try:
+    return _ANSWERS[key]
+  except TypeError:  # (something unhashable, e.g. a layout holding arrays: not remembered)
+    return _probe(optimizer, plan, abstract_params, strategy)
+  except KeyError:
+    pass
+  answer = _probe(optimizer, plan, abstract_params, strategy)
+  if len(_ANSWERS) >= _MAX_ANSWERS:
+    _ANSWERS.clear()
+  _ANSWERS[key] = answer
+  return answer
+
+
+def _by_value(function: Any) -> Any:
+  """A bound method as (its object, its function): layouts built alike compare equal
+  (bound methods compare their objects by identity)."""
+  owner = getattr(function, "__self__", None)
+  return function if owner is None else (owner, function.__func__)
+
+
+def _probe(optimizer, plan, abstract_params: Any, strategy: Any) -> str | None:
   """What differs between the optimizer on the two layouts (None: nothing)."""
   # On the host's CPU device: never an accelerator's memory, and always one of
   # this process's own devices (jax.devices()[0] is not, in a multi-process run).
