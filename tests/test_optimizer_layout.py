@@ -249,7 +249,7 @@ def test_a_per_leaf_optimizer_state_moves_between_pipelines_and_data_parallel(tm
   for i in range(3, 7):
     state, metrics = trainer.step(state, (images[i], labels[i]))
     expected.append(float(metrics["loss"]))
-  for strategy in VIEWED:
+  for strategy in (VIEWED[0], VIEWED[3]):  # (one stage per device; data x stage x model)
     other = strategy(MODEL, MASKED_ADAMW)
     restored = other.init(jax.random.key(1), images[0][:1])
     with Checkpointer(tmp_path / "dp") as ckpt:

@@ -37,6 +37,11 @@ ADAM_LR = 1e-3
 #: lr / 10. SGD, compared tightly, is where a wrong gradient scale shows.
 ADAM_PARAM_ATOL = ADAM_LR / 10
 
+#: The default optimizers, built once: optax's are pure functions, and a trainer of a
+#: layout already probed with the same optimizer object skips the layout probe.
+_SGD = optax.sgd(0.1)
+_ADAM = optax.adam(ADAM_LR)
+
 
 def use_cpu_devices(count: int) -> None:
   """Gives JAX `count` virtual CPU devices; call it first thing in a conftest.py.
@@ -417,7 +422,7 @@ def check_strategy(
     strategy = registry.get(strategy)
   model = seed_mlp() if model is None else model
   named = (
-    [("sgd", optax.sgd(0.1), atol), ("adam", optax.adam(ADAM_LR), max(atol, ADAM_PARAM_ATOL))]
+    [("sgd", _SGD, atol), ("adam", _ADAM, max(atol, ADAM_PARAM_ATOL))]
     if optimizers is None
     else [(name, opt, atol) for name, opt in optimizers.items()]
     if isinstance(optimizers, Mapping)
