@@ -167,7 +167,8 @@ def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:
     return None
 
   def map_node(node):
-    return {"param": fn, "stack": jax.vmap(fn), None: lambda x: x}[kind(node)](node)
+    found = kind(node)
+    return fn(node) if found == "param" else jax.vmap(fn)(node) if found == "stack" else node
 
   return jax.tree.map(map_node, tree, is_leaf=lambda node: kind(node) is not None)
 
