@@ -9,6 +9,7 @@ from helpers import mlp
 import parstrat
 import parstrat.testing
 from parstrat._src import hlo_check
+from parstrat._src import testing as parstrat_testing
 
 FEATURES = 12
 #: Cut before layer 3: stage 0 holds three linear layers (a pair, then a lone one),
@@ -279,3 +280,49 @@ def test_a_step_with_collectives_inside_stage_branches_is_refused_before_it_runs
     trainer.step(state, (images[0], labels[0]))
   # Nothing ran: the state was not donated.
   assert np.isfinite(jax.tree.leaves(trainer.params(state))[0]).all()
+
+
+@pytest.fixture
+def short_locations():
+  """JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=false for one test: XLA's op_names keep
+  only the innermost scope ("cond" for ".../uniform_switch/cond")."""
+  before = jax.config.jax_include_full_tracebacks_in_locations
+  jax.config.update("jax_include_full_tracebacks_in_locations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_include_full_tracebacks_in_locations", before)
+
+
+def _a_uniform_switch(scale):
+  def f(x):
+    with jax.named_scope(hlo_check.UNIFORM_SCOPE):
+      return jax.lax.cond(x.sum() > 0, lambda x: x * scale, lambda x: x + 1, x)
+
+  return jax.jit(f).lower(np.ones(3, np.float32)).compile().as_text()
+
+
+def test_a_model_axis_trains_where_jax_keeps_short_locations(short_locations):
+  # The setting does hide the scope (two programs: one lowered without the context,
+  # one inside it; both new to the compilation caches)...
+  assert hlo_check.uniform_switches(_a_uniform_switch(2.0)) == set()
+  with hlo_check.scopes_in_op_names():
+    assert len(hlo_check.uniform_switches(_a_uniform_switch(3.0))) == 1
+  assert not jax.config.jax_include_full_tracebacks_in_locations  # set back
+  # ...yet the step's branch check still tells the exchange's switch from a stage's
+  # branch: before, these steps were refused as ones "that would hang". Layer widths
+  # of this test's own, so that no other test's compiled step is in the compilation
+  # cache; the kit's run with no lowering before its first step, then a step lowered
+  # first with `trainer.lower`, as "auto" does, whose lowering the step then reuses.
+  strategy = parstrat.Hybrid(data=2, stages=2, model=2)
+  parstrat.testing.check_strategy(
+    strategy, mlp([13, 11, 9, 10]), [optax.sgd(0.1)], steps=2, batch=8, features=5
+  )
+  trainer = strategy(mlp([15, 11, 9, 10]), optax.sgd(0.1))
+  x, y = np.ones((8, 5), np.float32), np.zeros(8, np.int32)
+  state = trainer.init(jax.random.key(0), x)
+  trainer.lower(state, (x, y)).compile()
+  with parstrat_testing._count_compiles() as compiles:
+    _, metrics = trainer.step(state, (x, y))
+  assert np.isfinite(float(metrics["loss"]))
+  assert compiles == []  # the step ran the program trainer.lower compiled

@@ -14,9 +14,12 @@ collective-permute as one group of every device named in its pairs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+from collections.abc import Iterator
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -41,6 +44,40 @@ UNIFORM_SCOPE = "uniform_switch"
 _UNIFORM = re.compile(
   rf' conditional\(.*\bop_name="[^"]*/{UNIFORM_SCOPE}/(?:(?!shard_map)[^"])*cond"'
 )
+
+
+#: JAX's setting that puts the whole name stack in each instruction's `op_name`:
+#: set to False (JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=false), XLA's `op_name`
+#: keeps only the innermost scope ("cond"), and `UNIFORM_SCOPE` is no longer in it.
+_FULL_LOCATIONS = "jax_include_full_tracebacks_in_locations"
+
+
+@contextlib.contextmanager
+def scopes_in_op_names() -> Iterator[None]:
+  """Lowers with every `jax.named_scope` in the compiled HLO's `op_name`s, whatever JAX's setting.
+
+  With `jax_include_full_tracebacks_in_locations` False (JAX's default is True),
+  the scopes of a lowering go into the stack-frame table instead, and the
+  conditionals traced under `UNIFORM_SCOPE` could not be told from a stage's
+  own branches. Inside this context the setting is True; it is set back after.
+  Lower a program whose HLO `branch_problems` or `uniform_switches` will read
+  inside it (the setting changes only the debug information, not the program).
+  It is a process-wide JAX setting: lower nothing else on another thread meanwhile.
+
+  Example:
+    >>> import jax
+    >>> with scopes_in_op_names():
+    ...   print(jax.config.jax_include_full_tracebacks_in_locations)
+    True
+  """
+  if getattr(jax.config, _FULL_LOCATIONS):
+    yield
+    return
+  jax.config.update(_FULL_LOCATIONS, True)
+  try:
+    yield
+  finally:
+    jax.config.update(_FULL_LOCATIONS, False)
 
 
 @dataclasses.dataclass(frozen=True)

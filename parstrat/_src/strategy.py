@@ -1453,7 +1453,8 @@ class Trainer:
     key = (what, jax.tree.leaves(args[-1])[0].shape[0])
     if self.plan.branch_axes is None or key in self._branches_checked:
       return
-    text = compiled.lower(*args).compile().as_text()
+    with hlo_check.scopes_in_op_names():  # (the run reuses this lowering)
+      text = compiled.lower(*args).compile().as_text()
     problems = hlo_check.branch_problems(text, self.mesh, vary=self.plan.branch_axes)
     if problems:
       more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -1485,7 +1486,9 @@ class Trainer:
       )
     else:
       batch = jax.device_put(batch, sharding)
-    return self._compiled_step.lower(state, batch)
+    # (JAX reuses a lowering for the run and for `_check_branches`, which reads its scopes.)
+    with hlo_check.scopes_in_op_names():
+      return self._compiled_step.lower(state, batch)
 
   # ----------------------------------------------------------------- apply
   @functools.cached_property
