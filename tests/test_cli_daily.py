@@ -458,6 +458,8 @@ def test_optimizers_by_name_and_schedules():
     ValueError, match=r"Unknown optimizer 'adamm' \(choose one of adam, .*\); did you mean 'adam'\?"
   ):
     optimizers.make_optimizer("adamm", 1e-3)
+  with pytest.raises(ValueError, match=r"Unknown optimizer 'ADAM' .*; did you mean 'adam'\?"):
+    optimizers.make_optimizer("ADAM", 1e-3)
   with pytest.raises(ValueError, match="pass --steps"):
     optimizers.learning_rate_schedule(1.0, schedule="cosine", warmup_steps=0, total_steps=None)
   warm = optimizers.learning_rate_schedule(2.0, schedule="constant", warmup_steps=4,

@@ -23,6 +23,19 @@ def test_unknown_name_lists_names_and_closest_match():
   assert "Did you mean 'data_parallel'?" in message
 
 
+@pytest.mark.parametrize(
+  ("typed", "meant"),
+  [("PIPELINE", "pipeline"), ("Data-Parallel", "data_parallel"), ("FSDP", "fsdp")],
+)
+def test_a_name_typed_in_another_case_or_with_hyphens_is_still_matched(typed, meant):
+  # Names are looked up as registered (no alias is accepted), but "did you mean"
+  # ignores case and takes "-" for "_": before, "PIPELINE" got no suggestion.
+  with pytest.raises(KeyError, match=f"Did you mean '{meant}'"):
+    parstrat.get(typed)
+  with pytest.raises(TypeError, match=r"has no option 'Stages'; .* Did you mean 'stages'\?"):
+    parstrat.get("pipeline", Stages=2)
+
+
 def test_custom_registration_and_duplicates():
   @parstrat.register("test_custom")
   class Custom(parstrat.DataParallel):

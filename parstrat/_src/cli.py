@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import math
 import pathlib
@@ -16,6 +15,7 @@ from typing import Any
 
 # Importing these starts no backend (the package is imported before this module
 # anyway): `--devices` can still set the CPU device count afterwards.
+from parstrat._src import messages
 from parstrat._src.pipeline.residuals import ACTIVATIONS
 from parstrat._src.pipeline.schedule import ORDERS
 
@@ -215,8 +215,8 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     word, candidates = choice.group(1), re.findall(r"'([^']*)'", choice.group(2))
   else:
     return ""
-  close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
-  return f" (did you mean {close[0]}?)" if close else ""
+  close = messages.closest(word, sorted(candidates))
+  return f" (did you mean {close}?)" if close else ""
 
 
 def build_parser() -> argparse.ArgumentParser:

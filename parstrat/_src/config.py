@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -19,6 +18,8 @@ import sys
 import tomllib
 from collections.abc import Sequence
 from typing import Any
+
+from parstrat._src import messages
 
 #: Flags that are not config keys: those that make no sense inside a config file,
 #: and `progress`, which only undoes a file's `no-progress = true` from the command
@@ -37,8 +38,8 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     >>> did_you_mean("batchsize", ["batch-size", "seed"])
     "; did you mean 'batch-size'?"
   """
-  match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-  return f"; did you mean {match[0]!r}?" if match else ""
+  match = messages.closest(word, choices)
+  return f"; did you mean {match!r}?" if match else ""
 
 
 def load_toml(path: str | pathlib.Path) -> dict[str, Any]:

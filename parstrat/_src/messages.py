@@ -2,7 +2,36 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from typing import Any
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+  """The one of `choices` closest to `word`, for a "did you mean" (None when none is close).
+
+  Compared without case and with "-" and "_" alike, so that a name typed as a
+  class is spelled (`"PIPELINE"`, `"Data-Parallel"`), a flag as a key
+  (`"--batch_size"`), still finds its match. The one implementation behind
+  every "did you mean" of the library and the command line.
+
+  Example:
+    >>> closest("PIPELINE", ["data_parallel", "pipeline"])
+    'pipeline'
+    >>> closest("batchsize", ["batch-size", "seed"])
+    'batch-size'
+    >>> closest("xyz", ["pipeline"]) is None
+    True
+  """
+
+  def fold(text: str) -> str:
+    return text.casefold().replace("-", "_")
+
+  folded: dict[str, str] = {}
+  for choice in choices:
+    folded.setdefault(fold(choice), choice)
+  match = difflib.get_close_matches(fold(word), list(folded), n=1, cutoff=0.6)
+  return folded[match[0]] if match else None
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:

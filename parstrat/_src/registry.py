@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
+
+from parstrat._src import messages
 
 _REGISTRY: dict[str, type] = {}
 
@@ -139,10 +140,10 @@ def get(name: str, /, **config: Any):
   if not any_keyword:
     unknown = sorted(set(config) - set(options))
     if unknown:
-      close = difflib.get_close_matches(unknown[0], options, n=1)
+      close = messages.closest(unknown[0], options)
       raise TypeError(
         f"Strategy {name!r} has no option {', '.join(map(repr, unknown))}; "
-        f"its options are {', '.join(options)}." + (f" Did you mean {close[0]!r}?" if close else "")
+        f"its options are {', '.join(options)}." + (f" Did you mean {close!r}?" if close else "")
       )
   return cls(**config)
 
@@ -168,7 +169,7 @@ def options_of(cls: type) -> tuple[list[str], bool]:
 def _unknown_name_message(name: object) -> str:
   names = available()
   message = f"Unknown strategy {name!r}; registered strategies: {', '.join(names) or 'none'}."
-  close = difflib.get_close_matches(str(name), names, n=1)
+  close = messages.closest(str(name), names)
   if close:
-    message += f" Did you mean {close[0]!r}?"
+    message += f" Did you mean {close!r}?"
   return message
