@@ -325,3 +325,34 @@ def test_export_and_import_move_a_state_to_another_device_set():
   # And back, from 4 of the devices to all 8 (a subset of the other mesh's devices).
   back = source.import_state(target.export_state(moved))
   jax.tree.map(np.testing.assert_array_equal, source.params(back), target.params(moved))
+
+
+def test_a_model_with_a_zero_size_parameter_saves_and_resumes_exactly(tmp_path):
+  # orbax refuses arrays of size 0 ("Cannot save arrays with zero size"): such a model
+  # could not be checkpointed at all. Its empty leaves (the param and Adam's moments)
+  # are saved as None and made again, from the restoring trainer's shapes.
+  def forward(x):
+    empty = hk.get_parameter("empty", [0, 4], init=hk.initializers.Constant(0.0))
+    return hk.Linear(10)(x) + empty.sum()
+
+  model = hk.transform(forward)
+  x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+  y = np.arange(8, dtype=np.int32) % 10
+  trainer = parstrat.DataParallel(data=2)(model, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), x)
+  with Checkpointer(tmp_path / "c") as ckpt:
+    state, _ = trainer.step(state, (x, y))
+    assert ckpt.save(trainer, state, {}, force=True)
+    saved_w = np.asarray(trainer.params(state)["linear"]["w"])
+    straight = [float(trainer.step(state, (x, y))[1]["loss"])]
+    plain = _read_without_parstrat(tmp_path / "c" / "1" / "state")  # README's way
+    assert plain["params"]["~"] == {"empty": None}
+    for fresh_optimizer in (False, True):
+      other = parstrat.FSDP(data=2)(model, optax.adam(1e-2))
+      other.init(jax.random.key(1), x)
+      restored, _ = ckpt.restore(other, fresh_optimizer=fresh_optimizer)
+      params = other.params(restored)
+      assert params["~"]["empty"].shape == (0, 4) and params["~"]["empty"].dtype == np.float32
+      np.testing.assert_array_equal(params["linear"]["w"], saved_w)
+      if not fresh_optimizer:  # the same update from the same Adam state: the same loss
+        assert [float(other.step(restored, (x, y))[1]["loss"])] == straight

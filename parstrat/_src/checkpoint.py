@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pathlib
 import sys
@@ -80,6 +81,25 @@ def _check_json(name: str, value: Any) -> None:
       "a checkpoint's JSON cannot hold: pass a str, int, float, bool, None, list or dict "
       "(e.g. int(x) or x.tolist() for a NumPy value)."
     )
+
+
+def _without_empty(tree: Any) -> Any:
+  """`tree` with its zero-size leaves as None: orbax refuses to save an array of size 0
+  ("Cannot save arrays with zero size"), and such a leaf holds nothing but its shape and
+  dtype, which the restoring trainer has (see `_with_empty`)."""
+  return jax.tree.map(lambda x: None if math.prod(x.shape) == 0 else x, tree)
+
+
+def _with_empty(restored: Any, abstract: Any) -> Any:
+  """The inverse of `_without_empty`: zeros of `abstract`'s shape, dtype and sharding
+  where `restored` holds None for a zero-size leaf of `abstract`."""
+
+  def fill(want: jax.ShapeDtypeStruct, got: Any) -> Any:
+    if got is None and math.prod(want.shape) == 0:
+      return jax.numpy.zeros(want.shape, want.dtype, device=want.sharding)
+    return got
+
+  return jax.tree.map(fill, abstract, restored)
 
 
 class Checkpointer:
@@ -270,7 +290,7 @@ class Checkpointer:
       )
     for old in [*damaged, *later]:  # (later: this run's beyond, or `step` written again)
       self._manager.delete(old)
-    exported = trainer.export_state(state)
+    exported = _without_empty(trainer.export_state(state))
     saved = self._manager.save(
       step,
       args=ocp.args.Composite(
@@ -411,7 +431,8 @@ class Checkpointer:
             )
           for note in notes:
             warnings.warn(note, CheckpointWarning, stacklevel=2)
-          exported = dict(restored["state"])
+          read = restored["state"]  # (without "opt_state" under fresh_optimizer)
+          exported = dict(_with_empty(read, {k: abstract[k] for k in read}))
           if fresh_optimizer:
             exported["opt_state"] = None  # import_state starts it anew
           state = trainer.import_state(exported)
@@ -433,6 +454,8 @@ class Checkpointer:
     saved = self._manager.item_metadata(step)["state"]
     if saved is None:
       raise OSError("orbax finds no saved state")
+    # (zero-size leaves are saved as None: `_without_empty`)
+    template, abstract = _without_empty(template), _without_empty(abstract)
     # The params first: a different model is best named by its first layer.
     mismatch = trees.first_mismatch(
       {"params": saved.tree.get("params")}, {"params": template["params"]}
