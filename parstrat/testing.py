@@ -1,8 +1,6 @@
 """Tools for testing strategies: fake CPU devices and the conformance kit."""
 
 from parstrat._src.testing import ADAM_PARAM_ATOL
-from parstrat._src.testing import FLOAT32_TOL
-from parstrat._src.testing import LOW_PRECISION_TOL
 from parstrat._src.testing import Reference
 from parstrat._src.testing import Report
 from parstrat._src.testing import check_strategy
@@ -14,8 +12,6 @@ from parstrat._src.testing import use_cpu_devices
 
 __all__ = [
   "ADAM_PARAM_ATOL",
-  "FLOAT32_TOL",
-  "LOW_PRECISION_TOL",
   "Reference",
   "Report",
   "check_strategy",

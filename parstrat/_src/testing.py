@@ -36,16 +36,6 @@ ADAM_LR = 1e-3
 #: move a parameter by up to the learning rate; its params are compared to
 #: lr / 10. SGD, compared tightly, is where a wrong gradient scale shows.
 ADAM_PARAM_ATOL = ADAM_LR / 10
-#: `check_strategy`'s default `rtol` and `atol` in float32.
-FLOAT32_TOL = 1e-5
-#: Its default `rtol` and `atol` for a precision policy with a 16-bit float (bfloat16
-#: compute): bfloat16 keeps 8 bits of mantissa (a spacing of 2**-7 at 1), a strategy
-#: sums gradients in another order than the reference, and one output can differ by a
-#: unit in the last place (3.9e-3 between 0.5 and 1). Measured on the seed MLP, 5
-#: steps of 64: SGD's losses within 1.4e-4, Adam's params within 2.4e-3 (Adam turns
-#: the rounding into steps of up to its learning rate), `fsdp`'s outputs within 3.9e-3.
-#: A gradient twice too large still shows at once, in the first step's `grad_norm`.
-LOW_PRECISION_TOL = 1e-2
 
 #: The default optimizers, built once: optax's are pure functions, and a trainer of a
 #: layout already probed with the same optimizer object skips the layout probe.
@@ -355,8 +345,8 @@ def check_strategy(
   loss_fn: LossFn | None = None,
   batches: Sequence[Any] | None = None,
   model_inputs: Callable[[Any], Any] | None = None,
-  rtol: float | None = None,
-  atol: float | None = None,
+  rtol: float = 1e-5,
+  atol: float = 1e-5,
   seed: int = 0,
   precision: Any = None,
   accumulate: int = 1,
@@ -408,13 +398,11 @@ def check_strategy(
     batches: the batches to train on (default: `steps` random `(images,
       labels)` pairs of `batch` rows).
     model_inputs: as for the trainer (`batch -> model inputs`).
-    rtol, atol: tolerances on losses, gradient norms, outputs and params
-      (default: `FLOAT32_TOL`, 1e-5; `LOW_PRECISION_TOL`, 1e-2, for a
-      `precision` with a 16-bit float, such as "mixed_bfloat16").
+    rtol, atol: tolerances on losses, gradient norms, outputs and params.
     seed: for the params, the model's key and the random batches.
     precision: the trainer's mixed-precision policy; the reference runs the
-      same jmp policy on one device (bfloat16 runs get looser default
-      tolerances: the strategies sum gradients in another order).
+      same jmp policy on one device (bfloat16 runs need looser tolerances:
+      the strategies sum gradients in another order).
     accumulate: the trainer's gradient accumulation; the reference trains on
       the whole batch at once, which accumulation must reproduce.
 
@@ -433,14 +421,6 @@ def check_strategy(
   if isinstance(strategy, str):
     strategy = registry.get(strategy)
   model = seed_mlp() if model is None else model
-  policy = precision_lib.resolve_policy(precision)
-  low = policy is not None and any(
-    np.dtype(d).itemsize < 4
-    for d in (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
-  )
-  default_tol = LOW_PRECISION_TOL if low else FLOAT32_TOL
-  rtol = default_tol if rtol is None else rtol
-  atol = default_tol if atol is None else atol
   named = (
     [("sgd", _SGD, atol), ("adam", _ADAM, max(atol, ADAM_PARAM_ATOL))]
     if optimizers is None
@@ -456,7 +436,9 @@ def check_strategy(
   first_inputs = inputs_of(batches[0])
   sample = jax.tree.map(lambda x: x[:1], first_inputs)
   reports = []
-  reference_model = as_stateful(precision_lib.with_policy(model, policy))
+  reference_model = as_stateful(
+    precision_lib.with_policy(model, precision_lib.resolve_policy(precision))
+  )
   try:
     jax.eval_shape(reference_model.init, jax.random.key(seed), sample)
   except NameError as e:  # (a collective over one of the strategy's `model_axes`, e.g.
