@@ -1,5 +1,7 @@
 """Hybrid with a third mesh axis, "model": data x stage x model, Megatron pairs within stages."""
 
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -300,6 +302,35 @@ def _a_uniform_switch(scale):
       return jax.lax.cond(x.sum() > 0, lambda x: x * scale, lambda x: x + 1, x)
 
   return jax.jit(f).lower(np.ones(3, np.float32)).compile().as_text()
+
+
+def test_the_full_locations_hold_per_thread_and_over_a_thread_local_setting(short_locations):
+  # Thread B enters while the main thread holds the setting on, and lowers after the
+  # main thread has left: a process-wide switch would have been turned off under it.
+  entered, left, found = threading.Event(), threading.Event(), []
+
+  def thread_b():
+    with hlo_check.scopes_in_op_names():
+      entered.set()
+      left.wait(timeout=60)
+      found.append(hlo_check.uniform_switches(_a_uniform_switch(5.0)))
+
+  with hlo_check.scopes_in_op_names():
+    b = threading.Thread(target=thread_b)
+    b.start()
+    entered.wait(timeout=60)
+  left.set()
+  b.join(timeout=120)
+  assert [len(x) for x in found] == [1]
+  # A caller's own thread-local False (JAX's context manager for the setting) is
+  # overridden inside, and is what it was after.
+  from jax._src import config as jax_config  # noqa: PLC0415 - the thread-local form
+
+  with jax_config.include_full_tracebacks_in_locations(False):
+    with hlo_check.scopes_in_op_names():
+      assert len(hlo_check.uniform_switches(_a_uniform_switch(6.0))) == 1
+    assert not jax.config.jax_include_full_tracebacks_in_locations
+  assert not jax.config.jax_include_full_tracebacks_in_locations  # (the fixture's global)
 
 
 def test_a_model_axis_trains_where_jax_keeps_short_locations(short_locations):

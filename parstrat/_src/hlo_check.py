@@ -59,10 +59,14 @@ def scopes_in_op_names() -> Iterator[None]:
   With `jax_include_full_tracebacks_in_locations` False (JAX's default is True),
   the scopes of a lowering go into the stack-frame table instead, and the
   conditionals traced under `UNIFORM_SCOPE` could not be told from a stage's
-  own branches. Inside this context the setting is True; it is set back after.
-  Lower a program whose HLO `branch_problems` or `uniform_switches` will read
-  inside it (the setting changes only the debug information, not the program).
-  It is a process-wide JAX setting: lower nothing else on another thread meanwhile.
+  own branches. Inside this context the setting is True for this thread
+  (JAX's own thread-local form of it, which also wins over a thread-local
+  False of the caller's; other threads keep theirs). Lower a program whose HLO
+  `branch_problems` or `uniform_switches` will read inside it (the setting
+  changes only the debug information, not the program).
+
+  Yields:
+    None, with the setting on for lowerings on this thread.
 
   Example:
     >>> import jax
@@ -70,14 +74,22 @@ def scopes_in_op_names() -> Iterator[None]:
     ...   print(jax.config.jax_include_full_tracebacks_in_locations)
     True
   """
-  if getattr(jax.config, _FULL_LOCATIONS):
-    yield
+  try:  # internal: JAX exports no thread-local context manager for this setting
+    from jax._src import config as jax_config  # noqa: PLC0415
+
+    thread_local = getattr(jax_config, _FULL_LOCATIONS.removeprefix("jax_"))(True)
+  except (ImportError, AttributeError, TypeError):
+    thread_local = None
+  if thread_local is not None:
+    with thread_local:
+      yield
     return
+  before = getattr(jax.config, _FULL_LOCATIONS)  # (process-wide: set back as it was)
   jax.config.update(_FULL_LOCATIONS, True)
   try:
     yield
   finally:
-    jax.config.update(_FULL_LOCATIONS, False)
+    jax.config.update(_FULL_LOCATIONS, before)
 
 
 @dataclasses.dataclass(frozen=True)
