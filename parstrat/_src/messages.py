@@ -12,14 +12,25 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
 
   Compared without case and with "-" and "_" alike, so that a name typed as a
   class is spelled (`"PIPELINE"`, `"Data-Parallel"`), a flag as a key
-  (`"--batch_size"`), still finds its match. The one implementation behind
-  every "did you mean" of the library and the command line.
+  (`"--batch_size"`), still finds its match; among choices alike but for case
+  (`Net` and `net`), the one closest to `word` as typed. The one implementation
+  behind every "did you mean" of the library and the command line.
+
+  Args:
+    word: what was typed.
+    choices: the valid names.
+
+  Returns:
+    The closest choice, or None when none is close enough (difflib's ratio
+    below 0.6).
 
   Example:
     >>> closest("PIPELINE", ["data_parallel", "pipeline"])
     'pipeline'
     >>> closest("batchsize", ["batch-size", "seed"])
     'batch-size'
+    >>> closest("modle", ["Model", "model"])
+    'model'
     >>> closest("xyz", ["pipeline"]) is None
     True
   """
@@ -27,11 +38,13 @@ def closest(word: str, choices: Iterable[str]) -> str | None:
   def fold(text: str) -> str:
     return text.casefold().replace("-", "_")
 
-  folded: dict[str, str] = {}
+  alike: dict[str, list[str]] = {}
   for choice in choices:
-    folded.setdefault(fold(choice), choice)
-  match = difflib.get_close_matches(fold(word), list(folded), n=1, cutoff=0.6)
-  return folded[match[0]] if match else None
+    alike.setdefault(fold(choice), []).append(choice)
+  match = difflib.get_close_matches(fold(word), list(alike), n=1, cutoff=0.6)
+  if not match:
+    return None
+  return max(alike[match[0]], key=lambda c: difflib.SequenceMatcher(None, word, c).ratio())
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
