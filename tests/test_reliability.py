@@ -850,7 +850,9 @@ def test_import_state_names_another_optimizers_state(trainer, optimizer, problem
   assert int(fresh.step) == 0
 
 
-def test_import_state_names_a_state_read_without_its_tree_and_moves_an_optimizer_key(trainer):
+def test_import_state_names_a_state_read_without_its_tree_and_moves_an_optimizer_key(
+  trainer, tmp_path
+):
   def plain(tree):  # what orbax gives without a target tree: dicts and lists
     if hasattr(tree, "_fields"):
       return {field: plain(getattr(tree, field)) for field in tree._fields} or None
@@ -864,6 +866,16 @@ def test_import_state_names_a_state_read_without_its_tree_and_moves_an_optimizer
     "NoneType], expected (ScaleByAdamState, EmptyState)), as orbax reads a checkpoint without "
     "a target tree")):  # fmt: skip
     trainer.import_state({**exported, "opt_state": plain(exported["opt_state"])})
+  # What the message offers works: orbax given the target jax.eval_shape(trainer.export_state,
+  # state) reads the trainer's own tree (eval_shape of export_state failed on its tracers).
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+
+  with ocp.StandardCheckpointer() as orbax:
+    orbax.save(tmp_path / "state", exported)
+    orbax.wait_until_finished()
+    read = orbax.restore(tmp_path / "state", jax.eval_shape(trainer.export_state, trainer.initial))
+  assert jax.tree.structure(read) == jax.tree.structure(exported)
+  chex.assert_trees_all_equal(trainer.export_state(trainer.import_state(read)), exported)
   # (an optimizer whose own state is plain: a list for its tuple is just another tree)
   kept = optax.GradientTransformation(lambda p: (p,), lambda g, s, p=None: (g, s))
   own = parstrat.DataParallel(data=2)(MODEL, kept)

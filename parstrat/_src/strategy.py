@@ -1593,11 +1593,14 @@ class Trainer:
     """
     self.plan  # noqa: B018 - raises a clear error before init
     leaves, treedef = jax.tree.flatten(state)
-    if any(isinstance(leaf, jax.Array) and leaf.is_deleted() for leaf in leaves):
+    # (Arrays only: under `jax.eval_shape(trainer.export_state, state)` the leaves are
+    # tracers, which are neither deleted nor on other devices.)
+    concrete = lambda x: isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)  # noqa: E731
+    if any(concrete(leaf) and leaf.is_deleted() for leaf in leaves):
       path = next(  # the slow walk with names only for the message
         path
         for path, leaf in jax.tree_util.tree_leaves_with_path(state)
-        if isinstance(leaf, jax.Array) and leaf.is_deleted()
+        if concrete(leaf) and leaf.is_deleted()
       )
       raise ValueError(
         f"{what}: this state was donated to an earlier trainer.step (its leaf "
@@ -1610,9 +1613,7 @@ class Trainer:
       mesh_devices = self._mesh_devices
       stray = next(
         (
-          x
-          for x in leaves
-          if isinstance(x, jax.Array) and x.committed and x.sharding.device_set != mesh_devices
+          x for x in leaves if concrete(x) and x.committed and x.sharding.device_set != mesh_devices
         ),
         None,
       )
