@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -344,9 +345,14 @@ def test_a_model_with_a_zero_size_parameter_saves_and_resumes_exactly(tmp_path):
     state, _ = trainer.step(state, (x, y))
     assert ckpt.save(trainer, state, {}, force=True)
     saved_w = np.asarray(trainer.params(state)["linear"]["w"])
+    target = jax.eval_shape(trainer.export_state, state)  # (before the step donates it)
     straight = [float(trainer.step(state, (x, y))[1]["loss"])]
     plain = _read_without_parstrat(tmp_path / "c" / "1" / "state")  # README's way
     assert plain["params"]["~"] == {"empty": None}
+    with pytest.raises(ValueError, match=re.escape("params['~']['empty'] is missing")):
+      trainer.import_state(plain)  # (as README says: Checkpointer.restore refills it)
+    with pytest.raises(ValueError, match="empty"):  # nor with the trainer's tree as target
+      ocp.StandardCheckpointer().restore(tmp_path / "c" / "1" / "state", target)
     for fresh_optimizer in (False, True):
       other = parstrat.FSDP(data=2)(model, optax.adam(1e-2))
       other.init(jax.random.key(1), x)

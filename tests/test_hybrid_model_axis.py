@@ -296,7 +296,12 @@ def short_locations():
     jax.config.update("jax_include_full_tracebacks_in_locations", before)
 
 
-def _a_uniform_switch(scale):
+def _a_uniform_switch():
+  """The compiled HLO of a `lax.cond` traced under `UNIFORM_SCOPE`, a program no cache
+  holds: JAX's persistent cache keys programs without their debug information, so one
+  compiled before with other `op_name`s would be read instead."""
+  scale = float(np.random.default_rng().integers(2, 2**24))  # (a constant of its own)
+
   def f(x):
     with jax.named_scope(hlo_check.UNIFORM_SCOPE):
       return jax.lax.cond(x.sum() > 0, lambda x: x * scale, lambda x: x + 1, x)
@@ -310,17 +315,23 @@ def test_the_full_locations_hold_per_thread_and_over_a_thread_local_setting(shor
   entered, left, found = threading.Event(), threading.Event(), []
 
   def thread_b():
-    with hlo_check.scopes_in_op_names():
-      entered.set()
-      left.wait(timeout=60)
-      found.append(hlo_check.uniform_switches(_a_uniform_switch(5.0)))
+    try:
+      with hlo_check.scopes_in_op_names():
+        entered.set()
+        assert left.wait(timeout=60)
+        found.append(hlo_check.uniform_switches(_a_uniform_switch()))
+    except BaseException as e:  # noqa: BLE001 - raised again in the test's thread
+      found.append(e)
 
   with hlo_check.scopes_in_op_names():
     b = threading.Thread(target=thread_b)
     b.start()
-    entered.wait(timeout=60)
+    assert entered.wait(timeout=60)
   left.set()
   b.join(timeout=120)
+  assert not b.is_alive()
+  if found and isinstance(found[0], BaseException):
+    raise found[0]
   assert [len(x) for x in found] == [1]
   # A caller's own thread-local False (JAX's context manager for the setting) is
   # overridden inside, and is what it was after.
@@ -328,7 +339,7 @@ def test_the_full_locations_hold_per_thread_and_over_a_thread_local_setting(shor
 
   with jax_config.include_full_tracebacks_in_locations(False):
     with hlo_check.scopes_in_op_names():
-      assert len(hlo_check.uniform_switches(_a_uniform_switch(6.0))) == 1
+      assert len(hlo_check.uniform_switches(_a_uniform_switch())) == 1
     assert not jax.config.jax_include_full_tracebacks_in_locations
   assert not jax.config.jax_include_full_tracebacks_in_locations  # (the fixture's global)
 
@@ -336,15 +347,16 @@ def test_the_full_locations_hold_per_thread_and_over_a_thread_local_setting(shor
 def test_a_model_axis_trains_where_jax_keeps_short_locations(short_locations):
   # The setting does hide the scope (two programs: one lowered without the context,
   # one inside it; both new to the compilation caches)...
-  assert hlo_check.uniform_switches(_a_uniform_switch(2.0)) == set()
+  assert hlo_check.uniform_switches(_a_uniform_switch()) == set()
   with hlo_check.scopes_in_op_names():
-    assert len(hlo_check.uniform_switches(_a_uniform_switch(3.0))) == 1
+    assert len(hlo_check.uniform_switches(_a_uniform_switch())) == 1
   assert not jax.config.jax_include_full_tracebacks_in_locations  # set back
   # ...yet the step's branch check still tells the exchange's switch from a stage's
   # branch: before, these steps were refused as ones "that would hang". Layer widths
-  # of this test's own, so that no other test's compiled step is in the compilation
-  # cache; the kit's run with no lowering before its first step, then a step lowered
-  # first with `trainer.lower`, as "auto" does, whose lowering the step then reuses.
+  # of this test's own, so that no other test's compiled step is in the session's
+  # compilation cache (conftest.py starts an empty one); the kit's run with no lowering
+  # before its first step, then a step lowered first with `trainer.lower`, as "auto"
+  # does, whose lowering the step then reuses.
   strategy = parstrat.Hybrid(data=2, stages=2, model=2)
   parstrat.testing.check_strategy(
     strategy, mlp([13, 11, 9, 10]), [optax.sgd(0.1)], steps=2, batch=8, features=5

@@ -61,7 +61,9 @@ def scopes_in_op_names() -> Iterator[None]:
   conditionals traced under `UNIFORM_SCOPE` could not be told from a stage's
   own branches. Inside this context the setting is True for this thread
   (JAX's own thread-local form of it, which also wins over a thread-local
-  False of the caller's; other threads keep theirs). Lower a program whose HLO
+  False of the caller's; other threads keep theirs; where that internal form
+  is missing, the process-wide setting, set back after, which other threads
+  lowering meanwhile see too). Lower a program whose HLO
   `branch_problems` or `uniform_switches` will read inside it (the setting
   changes only the debug information, not the program).
 
@@ -82,9 +84,13 @@ def scopes_in_op_names() -> Iterator[None]:
     thread_local = None
   if thread_local is not None:
     with thread_local:
-      yield
-    return
-  before = getattr(jax.config, _FULL_LOCATIONS)  # (process-wide: set back as it was)
+      works = getattr(jax.config, _FULL_LOCATIONS)  # (a JAX where it does nothing: below)
+      if works:
+        yield
+    if works:
+      return
+  # Process-wide, set back as it was: a lowering on another thread meanwhile sees it too.
+  before = getattr(jax.config, _FULL_LOCATIONS)
   jax.config.update(_FULL_LOCATIONS, True)
   try:
     yield
