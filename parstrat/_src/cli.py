@@ -20,6 +20,9 @@ from parstrat._src.pipeline.residuals import ACTIVATIONS
 from parstrat._src.pipeline.schedule import ORDERS
 
 DEFAULT_DEVICES = 8
+#: How long process 0 stays, after an error every process raised alike, for the others
+#: to report it (a process stops in well under a second once it knows).
+LEADER_GRACE_S = 3.0
 SCHEDULES = tuple(ORDERS)  # the pipeline schedules `build_schedule` knows
 
 
@@ -2073,8 +2076,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   if code and _joined_several():
     import os
 
+    import jax
+
+    from parstrat._src import distributed
+
     sys.stdout.flush()
     sys.stderr.flush()
+    if distributed.stops_on_every_process() and jax.process_index() == 0:
+      # The others stop on the same error: let them say so before the coordination
+      # service, which this process serves, goes (their JAX client then aborts them).
+      time.sleep(LEADER_GRACE_S)
     os._exit(code)
   return code
 

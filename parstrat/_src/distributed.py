@@ -138,6 +138,31 @@ def _decode(row: np.ndarray) -> str:
   return text + ("..." if row[8] else "")
 
 
+class ProcessesDisagree(ValueError):
+  """What the processes of a run were given differs: raised alike on every one of them,
+  after they compared it, so that each stops on its own (`stops_on_every_process`)."""
+
+
+#: Whether this process raised `ProcessesDisagree` (then so did every other).
+_DISAGREED = False
+
+
+def _disagree(message: str) -> ProcessesDisagree:
+  global _DISAGREED  # noqa: PLW0603 - one flag per process, read as it leaves
+  _DISAGREED = True
+  return ProcessesDisagree(message)
+
+
+def stops_on_every_process() -> bool:
+  """Whether this process stops on an error every process of the run raised alike.
+
+  Then process 0, which serves the run's coordination, waits for the others
+  to report it before it leaves: when it is gone, JAX's coordination client in
+  each other process aborts that process (SIGABRT) before it can say why.
+  """
+  return _DISAGREED
+
+
 def check_devices_alike() -> None:
   """Checks that every process of the run has as many devices (no collective).
 
@@ -149,7 +174,7 @@ def check_devices_alike() -> None:
     counts[device.process_index] = counts.get(device.process_index, 0) + 1
   if len(set(counts.values())) > 1:
     each = ", ".join(f"{n} on process {p}" for p, n in sorted(counts.items()))
-    raise ValueError(
+    raise _disagree(
       f"The processes have different numbers of devices: {each}. Give each process as "
       "many (parstrat train --devices, or local_cpu_devices=)."
     )
@@ -199,7 +224,7 @@ def check_same_everywhere(what: str, values: Mapping[str, str]) -> None:
       if everyone - set(names_p)
     ]
     detail = "; ".join(lacks) or "names that differ after their first 63 bytes"
-    raise ValueError(f"The processes passed different {what}: {detail}.")
+    raise _disagree(f"The processes passed different {what}: {detail}.")
   differ = []
   for i, name in enumerate(names):
     column = rows[:, width + i]
@@ -209,7 +234,7 @@ def check_same_everywhere(what: str, values: Mapping[str, str]) -> None:
       further = " (they differ further on)" if len(set(texts)) == 1 else ""
       differ.append(f"{name} is {each}{further}")
   if differ:
-    raise ValueError(f"The processes were given different {what}: {'; '.join(differ)}.")
+    raise _disagree(f"The processes were given different {what}: {'; '.join(differ)}.")
 
 
 def is_primary() -> bool:
