@@ -32,8 +32,6 @@ def test_a_name_typed_in_another_case_or_with_hyphens_is_still_matched(typed, me
   # ignores case and takes "-" for "_": before, "PIPELINE" got no suggestion.
   with pytest.raises(KeyError, match=f"Did you mean '{meant}'"):
     parstrat.get(typed)
-  with pytest.raises(TypeError, match=r"has no option 'Stages'; .* Did you mean 'stages'\?"):
-    parstrat.get("pipeline", Stages=2)
 
 
 def test_custom_registration_and_duplicates():
@@ -92,6 +90,8 @@ def test_unknown_config_is_a_type_error():
     parstrat.get("data_parallel", stages=2)
   with pytest.raises(TypeError, match=r"has no option 'dat'; .* Did you mean 'data'\?"):
     parstrat.get("data_parallel", dat=4)
+  with pytest.raises(TypeError, match=r"has no option 'Stages'; .* Did you mean 'stages'\?"):
+    parstrat.get("pipeline", Stages=2)
 
 
 class _Noted:

@@ -21,7 +21,7 @@ from parstrat._src.pipeline.schedule import ORDERS
 
 DEFAULT_DEVICES = 8
 #: How long process 0 stays, after an error every process raised alike, for the others
-#: to report it (a process stops in well under a second once it knows).
+#: to report it (the test's processes, delayed by 2 s on purpose, still reported in time).
 LEADER_GRACE_S = 3.0
 SCHEDULES = tuple(ORDERS)  # the pipeline schedules `build_schedule` knows
 
