@@ -336,6 +336,24 @@ def test_passes_builtin_strategies(name):
   assert all(r.max_loss_diff < 1e-5 for r in reports)
 
 
+def test_auto_measures_at_the_kit_batch_and_reads_its_layout():
+  # The kit once gave `init` a 1-row sample only: with `model_inputs` "auto" could
+  # not learn the batch's layout (no candidate could be built), and without it
+  # every candidate that splits the batch failed at 1 row.
+  images, labels = parstrat.testing.random_batches(2, 16)
+  batches = [{"x": x, "y": y} for x, y in zip(images, labels, strict=True)]
+
+  def loss_fn(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  auto = parstrat.Auto(candidates=("data_parallel",), verbose=False)
+  (report,) = parstrat.testing.check_strategy(
+    auto, optimizers=[optax.sgd(0.1)], batches=batches, loss_fn=loss_fn,
+    model_inputs=lambda b: b["x"],
+  )  # fmt: skip
+  assert report.max_loss_diff < 1e-5
+
+
 def test_use_cpu_devices_fails_loudly_on_a_mismatch():
   parstrat.testing.use_cpu_devices(8)  # already 8 here: fine
   with pytest.raises(RuntimeError, match="already started with 8 CPU device"):

@@ -461,7 +461,8 @@ def check_strategy(
     reference_params, reference_state = jax.jit(reference_model.init)(key, sample)
     label = f"{strategy!r} with {name}"
     try:
-      state = trainer.init(key, sample)
+      # (the first batch fixes the batch's layout, and "auto" measures at its size)
+      state = trainer.init(key, sample, sample_batch=batches[0])
     except AssertionError:
       raise
     except Exception as e:  # noqa: BLE001 - a strategy that cannot run fails the check
