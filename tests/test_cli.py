@@ -131,6 +131,42 @@ def test_errors_are_one_line_with_exit_code_2(args, message, capsys, tmp_path, m
   assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_metrics_file_the_run_must_not_replace_is_refused_before_anything_runs(
+  tmp_path, monkeypatch, capsys
+):
+  # --metrics was written through a rename over whatever the path held: another run's
+  # metrics, the run's own config or model file, a link's target (the link became a file).
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "old.jsonl").write_text('{"step": 1, "loss": 2.3}\n')
+  (tmp_path / "run.toml").write_text('metrics = "run.toml"\n')
+  (tmp_path / "mine.py").write_text("def model(): ...\n")
+  (tmp_path / "link.jsonl").symlink_to(tmp_path / "old.jsonl")
+  before = {p: p.read_bytes() for p in tmp_path.iterdir()}
+  cases = [
+    (["--metrics", "old.jsonl"], "--metrics old.jsonl already holds metrics (another run's?): "
+     "pass --overwrite to replace it"),
+    (["--metrics", "old.jsonl", "--checkpoint-dir", "ck"], "or --resume to continue it"),
+    (["--config", "run.toml"], "--metrics run.toml is the --config file: give the metrics"),
+    (["--metrics", "mine.py", "--model-fn", "mine.py:model", "--overwrite"],
+     "--metrics mine.py is the --model-fn file"),
+    (["--metrics", "link.jsonl", "--overwrite"], "--metrics link.jsonl is not a plain file"),
+    (["--metrics", "o/report.png", "--out", "o"], "--metrics o/report.png is the report picture"),
+    (["--metrics", "new/"], "--metrics new/ is a directory; give a file name"),
+    (["--compare", "data_parallel,fsdp", "--metrics", "old.jsonl"],  # (m.<name>.jsonl each)
+     "--metrics old.fsdp.jsonl already holds metrics"),
+  ]  # fmt: skip
+  (tmp_path / "o").mkdir()
+  (tmp_path / "old.fsdp.jsonl").write_text('{"step": 1}\n')
+  for args, message in cases:
+    assert cli.main(["train", *args]) == 2, args
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, (args, err)
+  assert {p: p.read_bytes() for p in before} == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+    [*(p.name for p in before), "o", "old.fsdp.jsonl"]
+  )
+
+
 def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "run.toml").write_text('checkpoint-dir = ""\n')

@@ -175,6 +175,18 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   assert f"the run in {ckpt} is already complete at step 20: nothing to train" in out
   assert "resumed from" not in out and metrics.read_bytes() == before
 
+  # A line added by hand that is no step's record: one line naming it (a KeyError's
+  # traceback before), nothing trained, the file as it was.
+  metrics.write_bytes(before.replace(b"\n", b'\n{"note": "hand-added"}\n', 1))
+  edited = metrics.read_bytes()
+  assert cli.main([*flags, "--steps", "22", "--resume"]) == 2
+  assert (
+    f'metrics file {metrics}, line 2: not a record of a step (a JSON object with an integer "step")'
+    in _one_line(capsys.readouterr().err)
+  )
+  assert metrics.read_bytes() == edited and not (ckpt / "22").exists()
+  metrics.write_bytes(before)
+
   # Flip 4096 bytes of the newest checkpoint's biggest data file: step 15 is used instead.
   data = max((ckpt / "20" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
   raw = bytearray(data.read_bytes())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import pathlib
 import re
 import sys
@@ -826,8 +827,8 @@ def _check_paths_of(args: argparse.Namespace, primary: bool) -> None:
     _resolve_resume_if_exists(args, primary)
   given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
            ("--keep", args.keep), ("--overwrite", args.overwrite)) if value]  # fmt: skip
-  if given == ["--overwrite"] and args.out is not None:
-    given = []  # --overwrite replaces the run in --out
+  if given == ["--overwrite"] and (args.out is not None or args.metrics is not None):
+    given = []  # --overwrite replaces the run in --out, or the --metrics file
   if args.checkpoint_dir is None and given:
     raise UsageError(f"{given[0]} needs --checkpoint-dir")
   if args.resume and args.overwrite:
@@ -863,11 +864,49 @@ def _check_paths_of(args: argparse.Namespace, primary: bool) -> None:
       )
   if args.metrics is not None:
     path = pathlib.Path(args.metrics)
-    if path.is_dir():
-      raise UsageError(f"--metrics {path} is a directory; give a file name")
+    if path.is_dir() or str(args.metrics).endswith(("/", os.sep)):
+      raise UsageError(f"--metrics {args.metrics} is a directory; give a file name")
     if not path.parent.is_dir():
       raise UsageError(f"--metrics {path}: the directory {path.parent} does not exist")
     _check_writable_dir(path.parent, "--metrics")
+    if primary:  # (the process that writes it)
+      names = _compare_names(args) if args.compare else []
+      for target in [_strategy_metrics(path, n) for n in names] or [path]:
+        _check_metrics_file(args, target)
+
+
+def _check_metrics_file(args: argparse.Namespace, path: pathlib.Path) -> None:
+  """Refuses a `--metrics` file the run must not replace (it is written by a rename).
+
+  Raises:
+    UsageError: for a link, pipe or device; the run's report picture or one of
+      its input files (its config, model, data or `--import` file); or another
+      run's metrics on a fresh run without `--overwrite`.
+  """
+  if path.is_symlink() or (path.exists() and not path.is_file()):
+    raise UsageError(
+      f"--metrics {path} is not a plain file (a link, a pipe or a device): the metrics are "
+      "written to a new file renamed over it, which would replace it; give a file's path"
+    )
+  if args.out is not None:
+    for name in ("report.png", "compare.png"):  # (drawn over it at the end)
+      if path.resolve() == (pathlib.Path(args.out) / name).resolve():
+        raise UsageError(f"--metrics {path} is the report picture: give the metrics another name")
+  if not path.exists():
+    return
+  inputs = [("--config", getattr(args, "config", None))] + [
+    (flag, str(spec).rpartition(":")[0] or spec)
+    for flag, spec in (("--model-fn", args.model_fn), ("--dataset", args.dataset))
+    if spec is not None
+  ] + [("--import", target) for target in args.imports or ()]  # fmt: skip
+  for flag, other in inputs:
+    if other is not None and pathlib.Path(other).is_file() and path.samefile(other):
+      raise UsageError(f"--metrics {path} is the {flag} file: give the metrics another name")
+  if path.stat().st_size and not (args.resume or args.overwrite):
+    raise UsageError(
+      f"--metrics {path} already holds metrics (another run's?): pass --overwrite to "
+      "replace it" + (" or --resume to continue it" if args.checkpoint_dir else "")
+    )
 
 
 def _resolve_resume_if_exists(args: argparse.Namespace, primary: bool = True) -> None:
@@ -1710,7 +1749,9 @@ def _train_one(
   except (OSError, ValueError) as e:
     if ckpt is not None:
       ckpt.close()
-    raise UsageError(f"metrics file {metrics_path}: {e}") from None
+    # (read_history's errors name the file and line already)
+    raise UsageError(f"metrics file {e}" if isinstance(e, ValueError) else f"metrics file "
+                     f"{metrics_path}: {e}") from None  # fmt: skip
   records = history.records
   if any(r["step"] == resume_step and "loss" in r for r in records):
     # The run that saved it logged its last steps' row after the save.

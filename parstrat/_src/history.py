@@ -16,7 +16,8 @@ def read_history(path: str | pathlib.Path) -> list[dict[str, Any]]:
   A last line cut short (a process killed while writing it) is dropped.
 
   Raises:
-    ValueError: naming the line of a record that is not JSON (other than the last).
+    ValueError: naming the line of a record that is not JSON (other than the
+      last), or not a JSON object with an integer "step" (a line added by hand).
   """
   lines = pathlib.Path(path).read_text().splitlines()
   records = []
@@ -24,11 +25,18 @@ def read_history(path: str | pathlib.Path) -> list[dict[str, Any]]:
     if not line.strip():
       continue
     try:
-      records.append(json.loads(line))
+      record = json.loads(line)
     except json.JSONDecodeError:
       if number == len(lines):
         break
       raise ValueError(f"{path}, line {number}: not a JSON record: {line[:60]!r}") from None
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+      raise ValueError(
+        f'{path}, line {number}: not a record of a step (a JSON object with an integer "step"): '
+        f"{line[:60]!r}"
+      )
+    records.append(record)
   return records
 
 
