@@ -268,6 +268,42 @@ def test_compare_writes_metrics_and_one_picture_where_the_runs_agree(tmp_path, c
   assert losses["hybrid"] == pytest.approx(losses["data_parallel"], rel=1e-5)
 
 
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--stages", "3"], "stages=3 exceeds the model's 2 layers"),
+    (
+      ["--stages", "2", "--microbatches", "3"],
+      "--batch-size 64: The batch size of the global batch must be a positive multiple of 3",
+    ),
+  ],  # fmt: skip
+  ids=["too many stages", "a batch it cannot split"],
+)
+def test_compare_checks_every_strategy_before_the_first_trains(flags, message, tmp_path, capsys):
+  # The first strategy trained to the end (hours, on a real run) before the second one's
+  # layout was refused, and the same command was then refused: "--out holds another run".
+  code = cli.main(
+    ["train", "--compare", "data_parallel,pipeline", *flags, "--hidden", "64", "--epochs", "1",
+     "--steps", "2", "--batch-size", "64", "--source", "sample", "--no-progress",
+     "--out", str(tmp_path / "o")]
+  )  # fmt: skip
+  out, err = capsys.readouterr()
+  assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+  assert "epoch" not in out and not list(tmp_path.rglob("metrics.jsonl")), out
+  assert not (tmp_path / "o").exists()  # (checked before --out is made)
+
+
+def test_a_run_refused_at_its_start_leaves_no_empty_folder(tmp_path, capsys):
+  # --out's folders were made before the trainer's checks, and stayed, empty.
+  code = cli.main(
+    ["train", "--strategy", "pipeline", "--stages", "2", "--microbatches", "3",
+     "--hidden", "64", "--batch-size", "64", "--source", "sample", "--no-progress",
+     "--out", str(tmp_path / "runs" / "mine")]
+  )  # fmt: skip
+  assert code == 2 and "must be a positive multiple of 3" in capsys.readouterr().err
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_same_flags_print_the_same_losses():
   args = ("train", "--epochs", "1", "--steps", "3", "--batch-size", "64", "--source", "sample",
           "--no-progress", "--hidden", "64")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -1524,6 +1525,13 @@ def train(args: argparse.Namespace) -> dict:
     )
   for strategy in strategies.values():  # (all before --compare trains the first)
     _check_model_options(strategy, model_options or {})
+  for strategy in list(strategies.values())[1:]:
+    # --compare: each later strategy's layout and batch split, checked before the first
+    # trains (laid out only: nothing placed); "auto" chooses when its turn comes.
+    if not strategy.deferred:
+      optimizer, _ = _optimizer(args, data)
+      trainer, _, _ = _start(args, strategy, model, data, model_options, optimizer, abstract=True)
+      _local_rows(args, trainer)
   # The report goes next to the checkpoints unless --out says otherwise.
   out_dir = args.out or args.checkpoint_dir
   out = pathlib.Path(out_dir) if out_dir else None
@@ -1533,16 +1541,24 @@ def train(args: argparse.Namespace) -> dict:
     if args.compare and metrics_path is not None:
       metrics_path = _strategy_metrics(pathlib.Path(metrics_path), name)
     run_dir = None
+    made: list[pathlib.Path] = []  # the folders made here, the deepest first
     if out is not None:
       run_dir = out / name if args.compare else out
       if primary:
+        made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
         run_dir.mkdir(parents=True, exist_ok=True)
       if args.metrics is None:
         metrics_path = run_dir / "metrics.jsonl"
-    runs[name] = _train_one(
-      args, strategy, model, data, metrics_path if primary else None, say,
-      model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
-    )  # fmt: skip
+    try:
+      runs[name] = _train_one(
+        args, strategy, model, data, metrics_path if primary else None, say,
+        model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
+      )  # fmt: skip
+    except BaseException:  # (refused, Ctrl-C before a step): no empty folder left behind
+      for folder in made:
+        with contextlib.suppress(OSError):  # (not empty: something was written there)
+          folder.rmdir()
+      raise
   picture = None if out is None else out / ("compare.png" if args.compare else "report.png")
   complete = all(r.get("complete") for r in runs.values())
   records = {n: r["records"] for n, r in runs.items()}
@@ -1653,6 +1669,46 @@ def _complete_records(args, metrics_path, say, log_dir) -> list[dict]:
     return []
 
 
+def _start(args, strategy, model, data, model_options, optimizer, *, abstract=False):
+  """The run's trainer of `strategy`, its initial state and the sample inputs given to it.
+
+  With `abstract`, the state is laid out only (`Trainer.init_abstract`): nothing
+  is computed or placed on the devices.
+
+  Raises:
+    UsageError: for a strategy that cannot lay the model out (its message).
+  """
+  import jax
+
+  try:
+    trainer = strategy(
+      model,
+      optimizer,
+      **(model_options or {}),
+      skip_nonfinite=not args.stop_on_nonfinite,
+      precision=args.precision,
+      accumulate=args.accumulate,
+    )
+    sample = data.sample_inputs((model_options or {}).get("model_inputs"))
+    init = trainer.init_abstract if abstract else trainer.init
+    state = init(jax.random.key(args.seed), sample, sample_batch=data.example)
+  except (TypeError, ValueError) as e:
+    raise UsageError(str(e)) from None
+  return trainer, state, sample
+
+
+def _local_rows(args, trainer) -> slice:
+  """The rows of each `--batch-size` batch this process loads (see `local_batch_rows`).
+
+  Raises:
+    UsageError: for a batch size the trainer cannot split, naming the flag.
+  """
+  try:
+    return trainer.local_batch_rows(args.batch_size)
+  except ValueError as e:
+    raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
+
+
 def _train_one(
   args,
   strategy,
@@ -1676,19 +1732,7 @@ def _train_one(
   from parstrat._src.history import History
 
   optimizer, lr_schedule = _optimizer(args, data)
-  try:
-    trainer = strategy(
-      model,
-      optimizer,
-      **(model_options or {}),
-      skip_nonfinite=not args.stop_on_nonfinite,
-      precision=args.precision,
-      accumulate=args.accumulate,
-    )
-    sample = data.sample_inputs((model_options or {}).get("model_inputs"))
-    state = trainer.init(jax.random.key(args.seed), sample, sample_batch=data.example)
-  except (TypeError, ValueError) as e:
-    raise UsageError(str(e)) from None
+  trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
   outputs = None if data.eval_batches is None else trainer._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
@@ -1698,10 +1742,7 @@ def _train_one(
       raise UsageError(f"{outside}; training stops on such labels too")
     if outside:  # (a loss of one's own may skip them, e.g. -1 for padding)
       say(f"{outside}: the eval accuracy counts them as wrong")
-  try:
-    rows = trainer.local_batch_rows(args.batch_size)
-  except ValueError as e:
-    raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
+  rows = _local_rows(args, trainer)
   name = strategy_name(trainer.strategy)
   for line in banner.lines(trainer, state, devices or jax.devices(), name):
     say(line)
