@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import warnings
 
 import haiku as hk
 import jax
@@ -221,7 +222,8 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   for only in measured_shallow:
     assert only.peak_bytes is None
     assert "stages=4 exceeds the model's 2 layers" in only.problem
-  with pytest.raises(ValueError, match="no candidate could be built"):
+  with pytest.raises(ValueError, match="^No candidate strategy can run this model: no candidate "
+                     "could be built .*stages=4 exceeds"):  # fmt: skip
     auto_lib.rank(measured_shallow, None)
 
 
@@ -416,6 +418,32 @@ def test_the_batch_is_the_larger_of_the_samples_given_to_init():
   options = dict(loss_fn=lambda logits, labels: logits.mean(), sample_batch=(tokens, tokens))
   (candidate,) = auto.measure(model, optax.sgd(0.1), tokens[:1], **options)
   assert candidate.problem == "" and candidate.mesh == {"data": 2}
+
+
+def test_candidates_refused_only_by_a_one_row_sample_are_said_with_what_to_pass():
+  # `init(key, images[:1])`, as for every other strategy, measured at batch 1: every
+  # candidate that splits the batch "cannot run", and "auto" chose tensor without a word.
+  model = hk.transform(lambda x: hk.nets.MLP([16, 10])(x))
+  auto = parstrat.Auto(devices=jax.devices()[:2], candidates=("data_parallel", "tensor"),
+                       verbose=False)  # fmt: skip
+  hint = (
+    r"1 candidate\(s\) could not split the 1 row\(s\) of the samples given to init, which are "
+    r"the batch measured: pass Auto\(batch_size=...\) or init\(..., sample_batch=<a whole batch>\)"
+  )
+  with pytest.warns(UserWarning, match=r"chose tensor \[model=2\].*; " + hint):
+    choice = auto.choose(model, optax.sgd(0.1), np.zeros((1, 12), np.float32))
+  assert re.search(hint, choice.reason)
+  only = dataclasses.replace(auto, candidates=("data_parallel",))
+  with pytest.raises(ValueError, match=r"^No candidate strategy can run this model: no "
+                     r"candidate could be built \(the first, data_parallel \[data=2\]: cannot run: "
+                     r"ValueError: The batch size of .*; " + hint + r"\.\n"):  # fmt: skip
+    only.choose(model, optax.sgd(0.1), np.zeros((1, 12), np.float32))
+  with warnings.catch_warnings():  # measured at a batch that splits: nothing to say
+    warnings.simplefilter("error")
+    choice = dataclasses.replace(auto, batch_size=8).choose(
+      model, optax.sgd(0.1), np.zeros((1, 12), np.float32)
+    )
+  assert "could not split" not in choice.reason
 
 
 def test_a_loss_over_other_labels_is_named_once_with_what_to_pass():

@@ -77,8 +77,8 @@ def trained():
 
 STEP_CASES = [
   ("empty batch", (X[:0], Y[:0]), ValueError, "positive multiple of 2 .*got 0"),
-  ("odd batch", (X[:3], Y[:3]), ValueError, r"positive multiple of 2 \(1 device\(s\).* x 2 "
-   r"microbatches\), got 3"),
+  ("odd batch", (X[:3], Y[:3]), ValueError, r"positive multiple of 2 \(2 microbatches\), "
+   r"got 3"),
   ("wrong features", (X[:, :10], Y), ValueError, r"shape \[B, 784\] .*got \(16, 10\)"),
   ("int images", (X.astype(np.int32), Y), TypeError, r"batch\[0\] \(the model inputs\) must "
    "have dtype float32 like the sample_inputs given to init, got dtype int32"),

@@ -487,7 +487,7 @@ def test_help_shows_every_default_and_version(capsys):
   "argv, message",
   [
     (["--strategy", "pipeline", "--stages", "3", "--batch-size", "64"],
-     "multiple of 3 (1 device(s) along P('data',) x 3 microbatches (default: one per stage)), "
+     "multiple of 3 (3 microbatches (default: one per stage)), "
      "got 64; the nearest valid sizes are 63 and 66."),
     (["--strategy", "pipeline", "--stages", "4", "--devices", "2"],
      "needs 4 devices, but only 2 are available. Pass --devices 4"),

@@ -538,6 +538,13 @@ def test_apply_does_not_need_a_multiple_of_accumulate():
   assert outputs["logits"].shape == (2, CLASSES) and outputs["score"].shape == (2,)
   with pytest.raises(ValueError, match=r"batch size of the batch must be a positive multiple of 8"):
     trainer.step(state, (np.ones((2, 8), np.float32), np.zeros((2,), np.int32)))
+  # Rows the layout cannot split: what to do instead is said, and it works.
+  with pytest.raises(ValueError, match=r"multiple of 2 \(2 devices along P\('data',\)\), got 3;"
+                     r".* Pad the inputs, or run the model on one device without the layout: "
+                     r"model.apply\(trainer.params\(state\), ...\)"):  # fmt: skip
+    trainer.apply(state, np.ones((3, 8), np.float32))
+  outputs = TWO_HEADS.apply(trainer.params(state), None, np.ones((3, 8), np.float32))
+  assert outputs["logits"].shape == (3, CLASSES)
 
 
 # ------------------------------------------------------------------ Haiku idioms

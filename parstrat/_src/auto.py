@@ -44,6 +44,7 @@ import functools
 import itertools
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -522,7 +523,39 @@ class Auto(Strategy):
       ValueError: if no candidate fits `memory_budget` (or none can run).
     """
     measured = self.measure(model, optimizer, sample_inputs, **trainer_options)
-    return rank(measured, self.memory_budget)
+    hint = self._small_batch_hint(measured, sample_inputs, trainer_options.get("sample_batch"))
+    try:
+      choice = rank(measured, self.memory_budget)
+    except ValueError as e:
+      if not hint:
+        raise
+      head, _, table = str(e).partition("\n")
+      raise ValueError(f"{head[:-1]}; {hint}.\n{table}") from None
+    if hint:
+      warnings.warn(f"{choice.reason}; {hint}", UserWarning, stacklevel=2)
+      choice = dataclasses.replace(choice, reason=f"{choice.reason}; {hint}")
+    return choice
+
+  def _measuring_batch(self, sample_inputs: Any, sample_batch: Any) -> int:
+    """The batch size the candidates are measured at: `batch_size`, or the samples' larger."""
+    rows = [
+      int(np.shape(jax.tree.leaves(sample)[0])[0])
+      for sample in (sample_inputs, sample_batch)
+      if sample is not None and np.ndim(jax.tree.leaves(sample)[0]) > 0
+    ]
+    return self.batch_size or max(rows, default=1)
+
+  def _small_batch_hint(self, measured, sample_inputs: Any, sample_batch: Any) -> str:
+    """What to pass when candidates failed only for the samples' batch size, or ""."""
+    split = [c for c in measured if c.problem and _BATCH_SPLIT in c.problem]
+    if self.batch_size is not None or not split:
+      return ""
+    batch = self._measuring_batch(sample_inputs, sample_batch)
+    return (
+      f"{len(split)} candidate(s) could not split the {batch} row(s) of the samples given to "
+      "init, which are the batch measured: pass Auto(batch_size=...) or init(..., "
+      "sample_batch=<a whole batch>)"
+    )
 
   def _check_labels(self, loss_fn, model, abstract_params, abstract_state, sample) -> None:
     """Raises a ValueError if a custom `loss_fn` cannot take the labels auto measures with.
@@ -566,12 +599,7 @@ class Auto(Strategy):
     that does not split) come back with `problem` saying why.
     """
     devices = available_devices(self.devices)
-    rows = [
-      int(np.shape(jax.tree.leaves(sample)[0])[0])
-      for sample in (sample_inputs, sample_batch)
-      if sample is not None and np.ndim(jax.tree.leaves(sample)[0]) > 0
-    ]
-    batch = self.batch_size or max(rows, default=1)
+    batch = self._measuring_batch(sample_inputs, sample_batch)
     sample = jax.tree.map(lambda x: np.zeros((1, *x.shape[1:]), x.dtype), sample_inputs)
     # Traced here outside any mesh. A model whose collectives name an axis some strategy
     # runs it over (a sync BatchNorm's "data") is traced with those axes bound (not
@@ -684,6 +712,10 @@ class Auto(Strategy):
     return measured
 
 
+#: In the message of a batch a candidate cannot split (`messages.batch_size_message`).
+_BATCH_SPLIT = "must be a positive multiple of"
+
+
 def batch_axes(batch_spec) -> tuple[str, ...]:
   """The mesh axes a plan's `batch_spec` splits the batch's leading axis over."""
   axes = batch_spec[0] if len(batch_spec) else None
@@ -728,12 +760,18 @@ def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Ch
   )
   failed = sorted((c for c in candidates if c.peak_bytes is None), key=lambda c: c.label)
   table = (*fits, *too_big, *redundant, *failed)
+  if not fits and not too_big and not redundant:  # (not a matter of memory)
+    first = failed[0] if failed else None
+    raise ValueError(
+      "No candidate strategy can run this model: no candidate could be built"
+      + (f" (the first, {first.label}: {first.problem})" if first else "")
+      + ".\n"
+      + format_table(table, budget, "nothing chosen")
+    )
   if not fits:
     detail = (
       f"the smallest, {too_big[0].label}, needs {format_bytes(too_big[0].peak_bytes)} per device"
       if too_big
-      else "no candidate could be built"
-      if not redundant
       else "every candidate that could be built is redundant"
     )
     raise ValueError(

@@ -88,18 +88,19 @@ def batch_size_message(
   Example:
     >>> msg = batch_size_message(
     ...     "the global batch", 256, "P('data',)", 1, 3, " (default: one per stage)", 1)
-    >>> "must be a positive multiple of 3" in msg and "3 microbatches (default" in msg
+    >>> msg.startswith("The batch size of the global batch must be a positive multiple of 3 "
+    ...                "(3 microbatches (default: one per stage)), got 256")
     True
     >>> msg.endswith("got 256; the nearest valid sizes are 255 and 258.")
     True
   """
   multiple = ways * microbatches * accumulate
-  detail = f"{ways} device(s) along {split}"
+  parts = [f"{ways} devices along {split}"] if ways > 1 else []  # (none: not split over any)
   if microbatches > 1:
-    detail += f" x {microbatches} microbatches"
-    detail += default_note
+    parts.append(f"{microbatches} microbatches{default_note}")
   if accumulate > 1:
-    detail += f" x accumulate={accumulate}"
+    parts.append(f"accumulate={accumulate}")
+  detail = " x ".join(parts) or "1"
   below, above = nearest_multiples(batch, multiple)
   nearest = f"{below} and {above}" if below else f"{above}"
   plural = "s are" if below else " is"

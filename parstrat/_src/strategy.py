@@ -1556,7 +1556,13 @@ class Trainer:
     self._check_state(state, "apply")
     inputs = self._to_global(_arrays("inputs", inputs))
     _check_like("inputs", inputs, self._input_spec, "the sample_inputs given to init")
-    self._check_batch_size(_batch_size("inputs", inputs), "inputs", accumulate=1)
+    try:
+      self._check_batch_size(_batch_size("inputs", inputs), "inputs", accumulate=1)
+    except ValueError as e:
+      raise ValueError(
+        f"{e} Pad the inputs, or run the model on one device without the layout: "
+        "model.apply(trainer.params(state), ...)."
+      ) from None
     key = None
     if self.uses_rng:
       if rng is None:
