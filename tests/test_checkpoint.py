@@ -107,10 +107,14 @@ def test_resume_errors_are_one_line(tmp_path, capsys):
   assert not (tmp_path / "none").exists() and not (tmp_path / "c" / "31").exists()
   assert not (tmp_path / "c" / "data_parallel").exists()
   resume = [*flags, str(tmp_path / "c"), "--steps", "4", "--resume"]
-  for change in (["--seed", "7"], ["--batch-size", "200"]):  # the data order would differ
+  for change, named in (  # the data order would differ; only what changed is named
+    (["--seed", "7"], "written with --seed 0 (now 7), which"),
+    (["--batch-size", "200"], "written with --batch-size 400 (now 200), which"),
+    (["--seed", "7", "--batch-size", "200"], "--seed 0 (now 7) and --batch-size 400 (now 200)"),
+  ):
     assert cli.main([*resume, *change]) == 2
     err = capsys.readouterr().err.strip()
-    assert "written with --seed 0 --batch-size 400" in err and "\n" not in err
+    assert named in err and "(no flag allows another)" in err and "\n" not in err
   # Each guarded change is named and needs --allow-config-change.
   for change, named in [
     (["--precision", "mixed_bfloat16"], "precision float32 -> mixed_bfloat16"),

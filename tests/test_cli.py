@@ -186,13 +186,21 @@ def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-  "args", [["train", "--epochs", "0"], ["train", "--lr", "-1"], ["train", "--batch-size", "x"]]
+  "args, message",
+  [
+    (["train", "--epochs", "0"], "expected a positive"),
+    (["train", "--lr", "-1"], "expected a positive"),
+    (["train", "--batch-size", "x"], "expected a positive"),
+    # (an OverflowError's traceback from jax.random.key; 2**32 trained as seed 0)
+    (["train", "--seed", str(2**64)], "--seed: expected an integer from 0 to 4294967295, got"),
+    (["train", "--seed", str(2**32)], "(a JAX key keeps 32 bits of it: it would train as another"),
+  ],
 )
-def test_argument_errors_exit_2(args, capsys):
+def test_argument_errors_exit_2(args, message, capsys):
   with pytest.raises(SystemExit) as info:
     cli.main(args)
   assert info.value.code == 2
-  assert "expected a positive" in capsys.readouterr().err
+  assert message in capsys.readouterr().err
 
 
 def test_list_shows_every_strategy_with_axes(capsys):

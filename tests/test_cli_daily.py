@@ -445,6 +445,12 @@ def test_entry_points_load_from_modules_and_files(tmp_path, monkeypatch):
   (tmp_path / "bad.py").write_text("def model():\n  return 3\n")
   with pytest.raises(config.ConfigError, match="gave int; expected an hk.Transformed"):
     config.load_model("bad:model")
+  # --dataset mymodel.py went to tfds: "Parsing builder name string mymodel.py failed".
+  from parstrat._src import run_data
+
+  with pytest.raises(config.ConfigError, match=r"^--dataset 'mymodel.py': name the function "
+                     r"in the file that gives the data, 'mymodel.py:function'$"):  # fmt: skip
+    run_data.load("mymodel.py", batch_size=4, seed=0)
 
 
 def test_optimizers_by_name_and_schedules():

@@ -174,6 +174,11 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   out = capsys.readouterr().out
   assert f"the run in {ckpt} is already complete at step 20: nothing to train" in out
   assert "resumed from" not in out and metrics.read_bytes() == before
+  assert cli.main([*flags, "--steps", "15", "--resume"]) == 0  # (it said "already complete")
+  assert f"the run in {ckpt} is at step 20, past --steps 15: nothing to train" in (
+    capsys.readouterr().out
+  )
+  assert metrics.read_bytes() == before
 
   # A line added by hand that is no step's record: one line naming it (a KeyError's
   # traceback before), nothing trained, the file as it was.

@@ -140,6 +140,19 @@ def _not_negative(convert, what: str):
 
 
 _non_negative = _not_negative(int, "an integer >= 0")
+
+
+def _seed(text: str) -> int:
+  """`--seed`: 0 to 2**32 - 1, what a JAX key holds without x64 (2**32 is seed 0 again)."""
+  value = _non_negative(text)
+  if value >= 2**32:
+    raise argparse.ArgumentTypeError(
+      f"expected an integer from 0 to {2**32 - 1}, got {value} (a JAX key keeps 32 bits of "
+      "it: it would train as another seed)"
+    )
+  return value
+
+
 _non_negative_float = _not_negative(float, "a number >= 0")
 
 
@@ -289,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="clip the gradients' global norm to this (optax.clip_by_global_norm)",
   )
-  train.add_argument("--seed", type=_non_negative, default=0, help="params and data-order seed")
+  train.add_argument("--seed", type=_seed, default=0, help="params and data-order seed, 0 to 2**32 - 1")
   train.add_argument(
     "--devices",
     type=_positive,
@@ -1126,10 +1139,15 @@ def _resumable_changes(args, meta: dict, data) -> list[str]:
     UsageError: for another seed or batch size (the data order would differ),
       or a guarded change (`GUARDED`) without `--allow-config-change`.
   """
-  if meta.get("seed") != args.seed or meta.get("batch_size") != args.batch_size:
+  changed = [
+    f"--{flag} {meta.get(key)} (now {getattr(args, key)})"
+    for flag, key in (("seed", "seed"), ("batch-size", "batch_size"))
+    if meta.get(key) != getattr(args, key)
+  ]
+  if changed:
     raise UsageError(
-      f"{_resume_flag(args)}: the checkpoint was written with --seed {meta.get('seed')} "
-      f"--batch-size {meta.get('batch_size')}; pass the same flags to continue exactly"
+      f"{_resume_flag(args)}: the checkpoint was written with {' and '.join(changed)}, which "
+      "set the order of the data: pass the same to continue it (no flag allows another)"
     )
   from parstrat._src import config
   from parstrat._src import run_data
@@ -1781,7 +1799,11 @@ def _train_one(
         running["skipped_before_optimizer"] = running["skipped_steps"]
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
-        say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
+        if args.steps is not None and step > args.steps:
+          say(f"the run in {ckpt.directory} is at step {step}, past --steps {args.steps}: "
+              "nothing to train")  # fmt: skip
+        else:
+          say(f"the run in {ckpt.directory} is already complete at step {step}: nothing to train")
         records = _complete_records(args, metrics_path, say, log_dir)
         return {"accuracy": accuracy, "records": records, "state": state, "skipped": [],
                 "complete": True}  # fmt: skip

@@ -277,6 +277,10 @@ def load(
     return mnist(source, data_dir=data_dir, batch_size=batch_size, seed=seed, log=log)
   if ":" in spec:
     return from_function(spec, batch_size=batch_size, seed=seed)
+  if spec.endswith(".py"):  # (a file, not a tfds name)
+    raise config.ConfigError(
+      f"--dataset {spec!r}: name the function in the file that gives the data, '{spec}:function'"
+    )
   return from_tfds(spec, data_dir=data_dir, batch_size=batch_size, seed=seed)
 
 
