@@ -172,6 +172,12 @@ def eval_label_12(batch_size, seed):  # one eval label no model here can predict
   return train, [(x, np.where(np.arange(len(y)) == 3, 12, y))]
 
 
+def eval_5_wide(batch_size, seed):  # eval inputs of another width than the training's
+  train, evaluation = data(batch_size, seed)
+  x, y = evaluation[0]
+  return train, [(x[:10, :5], y[:10])]
+
+
 def interrupted(batch_size, seed):  # Ctrl-C while the data loads
   raise KeyboardInterrupt
 
@@ -780,6 +786,14 @@ def test_eval_labels_the_model_cannot_predict_are_named_before_training(
     "eval batch 1 has 1 label(s) outside [0, 4), the model's classes (first: 12): the "
     "eval accuracy counts them as wrong"
   ) in capsys.readouterr().out.splitlines()
+  # Eval inputs the model cannot take: refused before training (after an epoch before,
+  # at the first eval, with a traceback naming the 32 rows of the piece, not the batch).
+  assert _user_run(tmp_path, monkeypatch, "--dataset", "mymodel:eval_5_wide") == 2
+  out, err = capsys.readouterr()
+  assert err.strip().endswith(
+    "eval batch 1: inputs must have shape [B, 12] like the training inputs, got (10, 5)."
+  )
+  assert "epoch" not in out and len(err.strip().splitlines()) == 1
 
 
 def test_ctrl_c_outside_a_training_step_is_one_line(tmp_path, monkeypatch, capsys):

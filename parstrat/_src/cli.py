@@ -302,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     default=None,
     help="clip the gradients' global norm to this (optax.clip_by_global_norm)",
   )
-  train.add_argument("--seed", type=_seed, default=0, help="params and data-order seed, 0 to 2**32 - 1")
+  train.add_argument(
+    "--seed", type=_seed, default=0, help="params and data-order seed, 0 to 2**32 - 1"
+  )
   train.add_argument(
     "--devices",
     type=_positive,
@@ -1751,6 +1753,10 @@ def _train_one(
 
   optimizer, lr_schedule = _optimizer(args, data)
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
+  if data.eval_batches is not None and (model_options or {}).get("model_inputs") is None:
+    unlike = run_data.eval_inputs_unlike(data.eval_batches(), sample)
+    if unlike:  # (found at the first eval before, after an epoch, with a traceback)
+      raise UsageError(unlike)
   outputs = None if data.eval_batches is None else trainer._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss

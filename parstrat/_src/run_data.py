@@ -306,6 +306,37 @@ def eval_label_outside(batches: Iterable[Any], classes: int) -> str | None:
   return None
 
 
+def eval_inputs_unlike(batches: Iterable[Any], sample: Any) -> str | None:
+  """Names the first eval batch whose inputs `trainer.apply` would refuse, or None.
+
+  The inputs of `(inputs, labels)` batches must have the structure, per-example
+  shapes and dtypes of `sample`, the training inputs given to `init` (the
+  check `apply` makes). Other batches are passed over (they give no accuracy).
+
+  Example:
+    >>> train = np.zeros((1, 12), np.float32)
+    >>> eval_inputs_unlike([(np.zeros((10, 5), np.float32), np.zeros(10, int))], train)
+    'eval batch 1: inputs must have shape [B, 12] like the training inputs, got (10, 5).'
+  """
+  import jax
+
+  from parstrat._src.strategy import _check_like  # (the one check: `apply`'s own)
+
+  spec = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jax.dtypes.canonicalize_dtype(x.dtype)),
+    sample,
+  )
+  for index, batch in enumerate(batches):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+      continue
+    try:
+      inputs = jax.tree.map(np.asarray, batch[0])
+      _check_like(f"eval batch {index + 1}: inputs", inputs, spec, "the training inputs")
+    except (TypeError, ValueError) as e:
+      return str(e)
+  return None
+
+
 def eval_accuracy(
   trainer, state, batches: Iterable[Any], batch_size: int, rows, rng=None
 ) -> float | None:
