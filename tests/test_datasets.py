@@ -50,6 +50,28 @@ def test_tfds_path_with_mock_data():
   assert data.train_labels.dtype == np.int32 and set(data.train_labels) <= set(range(10))
 
 
+def test_a_tfds_dataset_not_prepared_offline_is_one_line_at_once(monkeypatch, tmp_path):
+  # `--dataset fashion_mnist` offline retried its download for minutes (as MNIST did
+  # before its own check), leaving half-downloaded files behind.
+  from parstrat._src import run_data
+
+  asked = []
+  monkeypatch.setattr(datasets, "_resolves", lambda host, timeout: asked.append(host) or False)
+  with pytest.raises(ValueError) as e:
+    run_data.from_tfds("fashion_mnist", data_dir=str(tmp_path), batch_size=4, seed=0)
+  assert str(e.value) == (
+    f"--dataset 'fashion_mnist' is not prepared in {tmp_path}, and the network does not "
+    "answer (storage.googleapis.com unresolved in 3 s) to download it: prepare it where "
+    "there is one (--data-dir), or use --dataset mnist (its bundled sample) or a dataset "
+    "function"
+  )
+  assert asked == ["storage.googleapis.com"]
+  assert not list(tmp_path.rglob("*.tmp.*")) and not list(tmp_path.rglob("incomplete*"))
+  with tfds.testing.mock_data(num_examples=8):  # prepared (here: mocked): no network asked
+    data = run_data.from_tfds("fashion_mnist", data_dir=str(tmp_path), batch_size=4, seed=0)
+  assert asked == ["storage.googleapis.com"] and data.steps_per_epoch == 2
+
+
 def test_auto_falls_back_to_the_sample_in_one_line(monkeypatch, tmp_path):
   monkeypatch.setattr(datasets, "_resolves", lambda host, timeout: False)
   lines = []

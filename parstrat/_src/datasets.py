@@ -140,6 +140,17 @@ def _download_host() -> str | None:
   return urllib.parse.urlparse(url).hostname if url else None
 
 
+#: A host any tfds download needs the network for (tfds's own GCS mirror): whether it
+#: resolves tells an offline machine, where tfds would retry for minutes.
+PROBE_HOST = "storage.googleapis.com"
+PROBE_TIMEOUT_S = 3.0
+
+
+def network_answers() -> bool:
+  """Whether `PROBE_HOST` resolves within `PROBE_TIMEOUT_S` (False: offline)."""
+  return _resolves(PROBE_HOST, timeout=PROBE_TIMEOUT_S)
+
+
 def _resolves(host: str | None, timeout: float) -> bool:
   if not host:
     return False

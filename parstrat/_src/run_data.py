@@ -138,8 +138,16 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
   """
   import tensorflow_datasets as tfds
 
+  offline = False
   try:
-    train = tfds.data_source(name, split="train", data_dir=data_dir)
+    try:  # prepared already (or tfds's mock data): no network needed
+      train = tfds.data_source(name, split="train", data_dir=data_dir, download=False)
+    except tfds.core.registered.DatasetNotFoundError:
+      raise
+    except Exception:  # noqa: BLE001 - not prepared: tfds downloads it, if the network answers
+      offline = not datasets.network_answers()
+      if not offline:
+        train = tfds.data_source(name, split="train", data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
     # Its message lists every dataset tfds knows (hundreds of lines): keep one close name.
     known = re.findall(r"^\s*-\s*(\S+)\s*$", str(e), flags=re.MULTILINE)
@@ -151,6 +159,14 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
     raise ValueError(
       f"--dataset {name!r}: tfds cannot read it ({type(e).__name__}: {first_line(e)})"
     ) from e
+  if offline:  # (tfds would retry its download for minutes, then fail)
+    where = data_dir or "the default tfds data directory"
+    raise ValueError(
+      f"--dataset {name!r} is not prepared in {where}, and the network does not answer "
+      f"({datasets.PROBE_HOST} unresolved in {datasets.PROBE_TIMEOUT_S:g} s) to download it: "
+      "prepare it where there is one (--data-dir), or use --dataset mnist (its bundled "
+      "sample) or a dataset function"
+    )
   info = train.dataset_info
   keys = info.supervised_keys
   if not keys or len(keys) != 2 or not all(isinstance(k, str) for k in keys):
