@@ -63,6 +63,17 @@ def dropout_model():
   return hk.transform(forward), model()[1]
 
 
+def checks_its_width():  # the user's own check, in their model function
+  raise ValueError("width must be even")
+
+
+def wrong_call():  # a Haiku module called wrongly in the forward pass
+  def forward(x):
+    return hk.Linear(4)(x, x)
+
+  return hk.transform(forward), model()[1]
+
+
 def sequences(batch_size, seed):  # [B, T, 12] inputs and [B, T] labels
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(8 * batch_size, 3, 12)).astype(np.float32)
@@ -794,6 +805,29 @@ def test_eval_labels_the_model_cannot_predict_are_named_before_training(
     "eval batch 1: inputs must have shape [B, 12] like the training inputs, got (10, 5)."
   )
   assert "epoch" not in out and len(err.strip().splitlines()) == 1
+
+
+def test_an_error_in_the_users_own_code_is_one_line_naming_where(tmp_path, monkeypatch, capsys):
+  # A ValueError or TypeError from a model function or its forward pass was one bare line
+  # ("error: width must be even"), without the file or line of the user's code.
+  lines = USER_FILE.splitlines()
+  for name, message, line, where in [
+    ("checks_its_width", "width must be even", 'raise ValueError("width must be even")',
+     "checks_its_width"),
+    ("wrong_call", "takes 2 positional arguments but 3 were given",
+     "return hk.Linear(4)(x, x)", "forward"),
+  ]:  # fmt: skip
+    number = next(i for i, text in enumerate(lines, 1) if text.strip() == line)
+    flags = ["--model-fn", f"mymodel:{name}", "--dataset", "mymodel:data"]
+    assert _user_run(tmp_path, monkeypatch, *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert err.endswith(f" (at {tmp_path / 'mymodel.py'}:{number}, in {where})"), err
+  # parstrat's own checks need no place: none is named.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_model", "--dataset",
+                   "mymodel:data", "--strategy", "pipeline", "--stages", "2") == 2  # fmt: skip
+  err = capsys.readouterr().err.strip()
+  assert "cannot train a model that calls hk.next_rng_key()" in err and "(at " not in err, err
 
 
 def test_ctrl_c_outside_a_training_step_is_one_line(tmp_path, monkeypatch, capsys):

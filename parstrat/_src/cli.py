@@ -576,7 +576,7 @@ def _import_modules(args: argparse.Namespace) -> None:
     try:
       config.import_module(target, "--import")
     except ValueError as e:  # ConfigError is a ValueError
-      raise UsageError(str(e)) from None
+      raise UsageError(f"{e}{messages.raised_at(e)}") from None
 
 
 def _train_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -1528,7 +1528,7 @@ def train(args: argparse.Namespace) -> dict:
         widths = " ".join(map(str, args.hidden))
         say(f"--hidden {widths}: not used, the model is --model-fn {args.model_fn}")
   except ValueError as e:  # ConfigError is a ValueError
-    raise UsageError(str(e)) from None
+    raise UsageError(f"{e}{messages.raised_at(e)}") from None
   # The files they loaded, found once: checkpoints record them (see _resumable_changes).
   args.entry_point_sources = {f"{key}_source": config.entry_point_source(getattr(args, key))
                               for key in ("model_fn", "dataset")}  # fmt: skip
@@ -1712,8 +1712,8 @@ def _start(args, strategy, model, data, model_options, optimizer, *, abstract=Fa
     sample = data.sample_inputs((model_options or {}).get("model_inputs"))
     init = trainer.init_abstract if abstract else trainer.init
     state = init(jax.random.key(args.seed), sample, sample_batch=data.example)
-  except (TypeError, ValueError) as e:
-    raise UsageError(str(e)) from None
+  except (TypeError, ValueError) as e:  # (the model's own code is named where it raised)
+    raise UsageError(f"{e}{messages.raised_at(e)}") from None
   return trainer, state, sample
 
 

@@ -57,6 +57,53 @@ def first_line(error: BaseException, limit: int = 160) -> str:
   return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
+def _library_file(filename: str) -> bool:
+  """Whether `filename` is parstrat's, an installed package's or Python's own."""
+  import os
+  import sysconfig
+
+  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the parstrat package
+  path = os.path.abspath(filename)
+  stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
+  return (
+    filename.startswith("<")
+    or path.startswith(here + os.sep)
+    or f"{os.sep}site-packages{os.sep}" in path
+    or f"{os.sep}dist-packages{os.sep}" in path
+    or path.startswith(stdlib + os.sep)
+  )
+
+
+def raised_at(error: BaseException) -> str:
+  """Where in the user's own code `error` was raised, as " (at FILE:LINE, in FUNCTION)".
+
+  The innermost frame of its traceback outside parstrat, installed packages and
+  Python itself (a model's wrong call into Haiku is named at the call), or else
+  of the error it was raised from; "" when every frame is theirs (parstrat's
+  own checks need no place).
+
+  Example:
+    >>> code = compile("def net():\\n  raise ValueError('bad width')\\n", "mymodel.py", "exec")
+    >>> user = {}
+    >>> exec(code, user)
+    >>> try:
+    ...   user["net"]()
+    ... except ValueError as e:
+    ...   raised_at(e)
+    ' (at mymodel.py:2, in net)'
+  """
+  import traceback
+
+  seen = set()
+  while error is not None and id(error) not in seen:  # (then what it was raised from)
+    seen.add(id(error))
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+      if not _library_file(frame.filename):
+        return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
+    error = error.__cause__ or error.__context__
+  return ""
+
+
 def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
   """The multiples of `multiple` just below (None if there is none) and just above `value`.
 
