@@ -354,6 +354,28 @@ def test_auto_measures_at_the_kit_batch_and_reads_its_layout():
   assert report.max_loss_diff < 1e-5
 
 
+def test_a_masked_loss_over_a_fixed_count_matches_one_device_and_over_its_own_does_not():
+  # README's advice for padded batches: `/ mask.size` is a mean over examples; the masked
+  # mean `/ mask.sum()` weights each device's part equally, and trains otherwise.
+  images, labels = parstrat.testing.random_batches(2, 16)
+  masks = np.random.default_rng(0).random((2, 16)) < 0.5
+  batches = [{"x": x, "y": y, "mask": m} for x, y, m in zip(images, labels, masks, strict=True)]
+
+  def masked(over_size):
+    def loss_fn(logits, batch):
+      losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+      kept = (losses * batch["mask"]).sum()
+      return kept / (batch["mask"].size if over_size else jnp.maximum(batch["mask"].sum(), 1))
+
+    return loss_fn
+
+  options = dict(optimizers=[optax.sgd(0.1)], batches=batches, model_inputs=lambda b: b["x"])
+  strategy = parstrat.DataParallel(data=8)
+  parstrat.testing.check_strategy(strategy, loss_fn=masked(over_size=True), **options)
+  with pytest.raises(AssertionError, match="loss differs from step 1"):
+    parstrat.testing.check_strategy(strategy, loss_fn=masked(over_size=False), **options)
+
+
 def test_use_cpu_devices_fails_loudly_on_a_mismatch():
   parstrat.testing.use_cpu_devices(8)  # already 8 here: fine
   with pytest.raises(RuntimeError, match="already started with 8 CPU device"):
