@@ -108,7 +108,9 @@ def test_schedule_into_a_closed_pipe_writes_its_csv_without_a_traceback(tmp_path
     (["train", "--strategy", "pipeline", "--stages", "16"], "needs 16 devices, but only 8"),
     (
       ["train", "--strategy", "data_parallel", "--stages", "2"],
-      "Strategy 'data_parallel' has no option 'stages'; its options are devices, debug, data.",
+      # (named by the flag given: "its options are devices, debug, data" named fields)
+      "--stages 2: data_parallel has no option 'stages' (it takes --devices, "
+      "--strategy-option debug=VALUE, --data-parallel)",
     ),
     (["schedule", "--stages", "2", "--microbatches", "2", "--schedule", "1f1b"], None),
     # `--checkpoint-dir "$CKPT"` with CKPT unset trained and saved nothing, without a word.

@@ -685,7 +685,11 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
       out = capsys.readouterr().out
       assert f"mesh: data=2 (MyDataParallel(devices=<2 devices>, {shown}))" in out, out
     for how, message in (
-      (["--strategy-option", "host=2"], "has no option 'host'"),
+      (
+        ["--strategy-option", "host=2"],
+        "--strategy-option host=2: my_data_parallel has no "
+        "option 'host'; did you mean 'hosts'? (it takes --devices, ",
+      ),
       (["--strategy-option", "hosts="], "--strategy-option hosts=: give a value after '='"),
       (["--strategy-option", "overlap=maybe"], "overlap is a bool; give true or false"),
       (["--strategy-option", "hosts=two"], "hosts is int; give a number"),
@@ -1181,7 +1185,9 @@ def test_a_config_files_strategy_options_give_way_to_another_strategy(
   assert "run.toml: not used by fsdp (it takes no such option): stages = 2" in out
   assert "mesh: {'data': 2}" in out  # data-parallel = 2 from the file: fsdp takes it
   assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--stages", "2") == 2
-  assert "Strategy 'fsdp' has no option 'stages'" in capsys.readouterr().err
+  assert "--stages 2: fsdp has no option 'stages' (it takes --devices, " in (
+    capsys.readouterr().err
+  )
 
 
 def test_throughput_counts_a_short_batchs_rows_and_leaves_out_every_compiling_step(

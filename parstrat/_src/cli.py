@@ -684,6 +684,26 @@ def _strategy_config(
     unused = [
       k for k in config if not takes_any and k not in names and (compare or k in from_config)
     ]
+    refused = [k for k in config if not takes_any and k not in names and k not in unused]
+    if refused:  # (named by its flag: the strategy's own message names its fields)
+
+      def flag_of(key: str) -> str:
+        if key == "devices":
+          return "--devices"
+        if key in keys or key in flags:
+          return "--" + flags.get(key, key.replace("_", "-"))
+        return f"--strategy-option {key}=VALUE"
+
+      key = refused[0]
+      typed = flags.get(key, "").startswith("strategy-option")  # (a name typed: a typo?)
+      given = f"--strategy-option {key}={config[key]}" if typed else f"{flag_of(key)} {config[key]}"
+      match = messages.closest(key, names) if typed else None
+      takes = ", ".join(flag_of(k) for k in names) or "no strategy flags"
+      raise UsageError(
+        f"{given}: {name} has no option {key!r}"
+        + (f"; did you mean {match!r}?" if match else "")
+        + f" (it takes {takes})"
+      )
   return (
     {k: v for k, v in config.items() if k not in unused},
     [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
