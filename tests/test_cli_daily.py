@@ -499,6 +499,12 @@ def test_help_shows_every_default_and_version(capsys):
   for flag in ("--batch-size", "--optimizer", "--lr-schedule", "--log-every", "--dataset"):
     assert flag in text
   assert "(default: 256)" in text and "(default: adam)" in text and "(default: mnist)" in text
+  text = " ".join(text.split())  # (what helper 75 found unsaid or misleading)
+  assert "so --optimizer adamw without it is adam, not optax's default 1e-4" in text
+  assert "with --no-progress and N > 1 also print a line" in text
+  unroll = text.split("--unroll, --no-unroll")[1].split("--no-progress")[0]
+  assert "(default: the loop;" in unroll and "(default: none)" not in unroll
+  assert "or at the end of --epochs if that comes first" in text
   schedule = next(a for a in parser._actions if a.dest == "command").choices["schedule"]
   assert "(default: 1f1b)" in schedule.format_help()
   with pytest.raises(SystemExit):

@@ -294,7 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
     "on one schedule",
   )
   train.add_argument(
-    "--weight-decay", type=_non_negative_float, default=0.0, help="weight decay (0: none)"
+    "--weight-decay",
+    type=_non_negative_float,
+    default=0.0,
+    help="weight decay (default 0: none; adamw, lamb, lion and adafactor decay by it "
+    "themselves, so --optimizer adamw without it is adam, not optax's default 1e-4)",
   )
   train.add_argument(
     "--clip-norm",
@@ -352,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     type=_non_negative,
     default=None,
     metavar="N",
-    help="fsdp: keep parameter leaves of fewer than N elements replicated (default 0)",
+    help="fsdp: keep parameter leaves of fewer than N elements replicated (default: 0)",
   )
   train.add_argument(
     "--memory-budget",
@@ -410,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     action=argparse.BooleanOptionalAction,
     default=None,
     help="trace a pipeline's ticks as straight-line code, not a loop: a faster step, "
-    "a longer compilation (--no-unroll: the loop, over a config file's unroll = true)",
+    "a longer compilation (default: the loop; --no-unroll: the loop, over a config file's "
+    "unroll = true)",
   )
   train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   train.add_argument(
@@ -418,15 +423,21 @@ def build_parser() -> argparse.ArgumentParser:
     action="store_false",
     dest="no_progress",
     default=argparse.SUPPRESS,  # (the default is --no-progress's)
-    help="show the progress bar (over a config file's no-progress = true)",
+    help="show the progress bar, as by default (over a config file's no-progress = true)",
   )
-  train.add_argument("--steps", type=_positive, default=None, help="stop after this many steps")
+  train.add_argument(
+    "--steps",
+    type=_positive,
+    default=None,
+    help="stop at this step, counted from the run's start (a resumed run too), or at the "
+    "end of --epochs if that comes first",
+  )
   train.add_argument(
     "--log-every",
     type=_positive,
     default=1,
     help="write metrics (metrics.jsonl, TensorBoard) every N steps: mean loss over those steps; "
-    "with --no-progress also print a line",
+    "with --no-progress and N > 1 also print a line",
   )
   train.add_argument(
     "--eval-every",
@@ -436,7 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
   )
   train.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (orbax)")
   train.add_argument("--save-every", type=_positive, default=None, help="save every K steps")
-  train.add_argument("--keep", type=_positive, default=None, help="checkpoints to keep (default 3)")
+  train.add_argument(
+    "--keep", type=_positive, default=None, help="checkpoints to keep (default: 3)"
+  )
   train.add_argument(
     "--resume",
     action=argparse.BooleanOptionalAction,
@@ -481,8 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument(
     "--metrics",
     default=None,
-    help="write per-step metrics to this JSONL file (with --compare, one file per strategy: "
-    "m.jsonl -> m.data_parallel.jsonl, ...)",
+    help="write the metrics (every --log-every steps, and each eval) to this JSONL file "
+    "(with --compare, one file per strategy: m.jsonl -> m.data_parallel.jsonl, ...)",
   )
   train.add_argument(
     "--out",
