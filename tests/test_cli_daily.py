@@ -905,9 +905,14 @@ def test_resume_with_another_model_fn_of_the_same_shapes_is_a_guarded_change(
 def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, capsys):
   # (one (x, y) pair instead of a list of pairs: no accuracy, and not a word)
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
-                   "mymodel:one_eval_pair", "--eval-every", "1") == 0  # fmt: skip
+                   "mymodel:one_eval_pair", "--eval-every", "1", "--source", "sample",
+                   "--data-dir", "nowhere") == 0  # fmt: skip
   out = capsys.readouterr().out
   assert out.count("eval: no accuracy: the eval data must be a non-empty iterable of") == 1
+  # (flags a dataset function does not read were passed over without a word)
+  assert (
+    "--source sample, --data-dir nowhere: not used, the data is --dataset mymodel:one_eval_pair"
+  ) in out.splitlines()
   # No eval batches at all (the LM example's at --batch-size 256) is said as such.
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model", "--dataset",
                    "mymodel:no_eval_batches") == 0  # fmt: skip
