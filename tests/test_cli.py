@@ -154,10 +154,13 @@ def test_a_metrics_file_the_run_must_not_replace_is_refused_before_anything_runs
     (["--metrics", "link.jsonl", "--overwrite"], "--metrics link.jsonl is not a plain file"),
     (["--metrics", "o/report.png", "--out", "o"], "--metrics o/report.png is the report picture"),
     (["--metrics", "new/"], "--metrics new/ is a directory; give a file name"),
+    (["--metrics", "ck/2", "--checkpoint-dir", "ck"],  # (its save failed after training)
+     "--metrics ck/2 is where --checkpoint-dir saves step 2: give the metrics another name"),
     (["--compare", "data_parallel,fsdp", "--metrics", "old.jsonl"],  # (m.<name>.jsonl each)
      "--metrics old.fsdp.jsonl already holds metrics"),
   ]  # fmt: skip
   (tmp_path / "o").mkdir()
+  (tmp_path / "ck").mkdir()
   (tmp_path / "old.fsdp.jsonl").write_text('{"step": 1}\n')
   for args, message in cases:
     assert cli.main(["train", *args]) == 2, args
@@ -165,7 +168,7 @@ def test_a_metrics_file_the_run_must_not_replace_is_refused_before_anything_runs
     assert message in err and len(err.strip().splitlines()) == 1, (args, err)
   assert {p: p.read_bytes() for p in before} == before
   assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-    [*(p.name for p in before), "o", "old.fsdp.jsonl"]
+    [*(p.name for p in before), "o", "ck", "old.fsdp.jsonl"]
   )
 
 

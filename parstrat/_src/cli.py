@@ -937,6 +937,14 @@ def _check_metrics_file(args: argparse.Namespace, path: pathlib.Path) -> None:
       f"--metrics {path} is not a plain file (a link, a pipe or a device): the metrics are "
       "written to a new file renamed over it, which would replace it; give a file's path"
     )
+  if args.checkpoint_dir is not None and path.name.isdigit():
+    if path.parent.resolve() in [
+      d.resolve() for d in _run_dirs(args, pathlib.Path(args.checkpoint_dir))
+    ]:
+      raise UsageError(
+        f"--metrics {path} is where --checkpoint-dir saves step {int(path.name)}: give the "
+        "metrics another name"
+      )
   if args.out is not None:
     for name in ("report.png", "compare.png"):  # (drawn over it at the end)
       if path.resolve() == (pathlib.Path(args.out) / name).resolve():
