@@ -241,6 +241,22 @@ def test_cli_resume_appends_falls_back_past_a_damaged_checkpoint_and_stops_when_
   assert _steps(metrics) == [1, 2]
 
 
+def test_a_resume_whose_metrics_go_elsewhere_says_where_the_run_s_are(tmp_path, capsys):
+  # A leg resumed without the first's --out started a new metrics file (and a report of
+  # its own steps only), without a word.
+  first = tmp_path / "o" / "metrics.jsonl"
+  flags = [*TRAIN, "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "1"]
+  assert cli.main([*flags, "--steps", "2", "--out", str(tmp_path / "o")]) == 0
+  capsys.readouterr()
+  assert cli.main([*flags, "--steps", "3", "--resume"]) == 0
+  assert (
+    f"the run's metrics up to step 2 are in {first.resolve()}; this leg writes "
+    f"{tmp_path / 'ck' / 'metrics.jsonl'} (give the first leg's --out or --metrics to "
+    "continue that file)"
+  ) in capsys.readouterr().out.splitlines()
+  assert _steps(first) == [1, 2]
+
+
 def test_cli_a_cosine_schedule_resumes_on_its_own_length(tmp_path, capsys):
   # The cosine's length was the invocation's last step, and not in the checkpoint:
   # stopping at step 3 and resuming to 6 silently decayed to 0 at 3, then restarted

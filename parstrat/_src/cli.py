@@ -1851,6 +1851,17 @@ def _train_one(
       running.update(meta.get("running", {}))  # older checkpoints: from the resume on
       if args.fresh_optimizer:  # (its schedule counts only the updates after this step)
         running["skipped_before_optimizer"] = running["skipped_steps"]
+      earlier = meta.get("metrics")
+      if (
+        earlier is not None
+        and metrics_path is not None
+        and pathlib.Path(earlier) != pathlib.Path(metrics_path).resolve()
+        and pathlib.Path(earlier).is_file()
+      ):  # (a leg without the first's --out or --metrics: its history went on elsewhere)
+        say(
+          f"the run's metrics up to step {step} are in {earlier}; this leg writes "
+          f"{metrics_path} (give the first leg's --out or --metrics to continue that file)"
+        )
       if first_epoch >= args.epochs or (args.steps is not None and step >= args.steps):
         ckpt.close()
         if args.steps is not None and step > args.steps:
@@ -1929,7 +1940,9 @@ def _train_one(
       sums["epoch_loss"] = [0.0, 0]
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
             "batch_size": args.batch_size, "config": _run_config(args, data),
-            "running": sums, "optimizer_start": optimizer_start}  # fmt: skip
+            "running": sums, "optimizer_start": optimizer_start,
+            "metrics": None if metrics_path is None
+            else str(pathlib.Path(metrics_path).resolve())}  # fmt: skip
 
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
