@@ -148,6 +148,30 @@ def test_time_major_activations_are_not_cut():
     pipeline.plan_stages(_apply(model), params, x, 4)
 
 
+def test_a_cond_given_the_parameters_is_named_as_the_reason_no_cut_exists():
+  # hk.cond passes every parameter into its `cond`: each layer then looked read on both
+  # sides of every cut, and the refusal blamed weights "shared or tied across the cut".
+  def net(x):
+    x = jax.nn.relu(hk.Linear(16, name="l0")(x))
+    block = hk.Linear(16, name="a")
+    if hk.running_init():
+      block(x)
+    x = hk.cond(x.mean() > 0, lambda v: jax.nn.relu(block(v)), lambda v: v, x)
+    x = jax.nn.relu(hk.Linear(16, name="l1")(x))
+    return hk.Linear(10, name="head")(x)
+
+  model = hk.transform(net)
+  x = jax.ShapeDtypeStruct((1, 12), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)
+  with pytest.raises(ValueError) as e:
+    pipeline.plan_stages(_apply(model), params, x, 2)
+  assert "only 0 of its 3 layer boundaries are cuttable (one `cond` equation (hk.cond" in str(
+    e.value
+  )
+  assert "keep such a branch within one layer's module" in str(e.value)
+  assert "tied" not in str(e.value) and str(e.value).count("`cond`") == 1
+
+
 def test_stage_boundary_markers():
   def net(x):
     x = jax.nn.swish(hk.Linear(64)(x))

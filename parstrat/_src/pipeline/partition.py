@@ -389,6 +389,37 @@ def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
   )
 
 
+def _has_body(eqn) -> bool:
+  """Whether `eqn` runs code of its own (a `cond`'s branches, a `while`'s body, ...)."""
+  for value in eqn.params.values():
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, (jex.ClosedJaxpr, jex.Jaxpr)) for v in values):
+      return True
+  return False
+
+
+def _one_equation_across(
+  trace: _Trace, earlier: Sequence[int], later: Sequence[int], start: int, stop: int
+) -> str | None:
+  """Why no cut exists, where one equation with a body of its own (a `cond`) takes the
+  parameters of layers on both sides of the cut: None where none does."""
+  param_layer = {v: trace.leaf_layer[i] for i, v in enumerate(trace.param_vars)}
+  for i in range(start, stop + 1):
+    eqn = trace.jaxpr.eqns[i]
+    if not _has_body(eqn):
+      continue
+    layers = {param_layer[v] for v in eqn.invars if _is_var(v) and v in param_layer}
+    if layers & set(earlier) and layers & set(later):
+      names = ", ".join(repr(trace.layer_names[x]) for x in [*earlier, *later] if x in layers)
+      return (
+        f"one `{eqn.primitive.name}` equation (hk.cond, hk.switch, lax.cond or a loop given "
+        f"the parameters) takes the parameters of layers {names} at once, so which of "
+        "them its body reads where is not known to the cut; keep such a branch within one "
+        "layer's module, or compute both sides and pick with jnp.where"
+      )
+  return None
+
+
 def _summary(reasons: dict[int, tuple[str, tuple[str, ...], str]]) -> str:
   """The reasons no cut exists, tied weights first and each tied group in one sentence."""
   tied: dict[tuple[str, ...], list[str]] = {}
@@ -398,6 +429,7 @@ def _summary(reasons: dict[int, tuple[str, tuple[str, ...], str]]) -> str:
       tied.setdefault(again, []).append(layer)
     else:
       other.append(why)
+  other = list(dict.fromkeys(other))  # (one equation across every cut is said once)
   return "; ".join([_tied_reason(names, layers) for names, layers in tied.items()] + other)
 
 
@@ -416,6 +448,9 @@ def _boundary_cut(
   after = min(analysis.first_read[layer] for layer in order[k:])
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
+    across = _one_equation_across(trace, order[:k], order[k:], after, before)
+    if across is not None:  # (it reads them all: they would look tied or interleaved)
+      return None, across, ()
     again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
     if again != [a]:  # an earlier layer comes back: a shared or tied weight
       return None, _tied_reason(again, [b]), tuple(again)
