@@ -13,8 +13,8 @@ tokens shifted by one.
 `main` trains the same model from the same seed on the same batches under
 data_parallel, pipeline, hybrid, fsdp and tensor with Adam and prints their
 losses. Each strategy computes the same step as plain `jax.jit` up to float
-rounding (tests/test_transformer_lm.py checks that step by step, with SGD and
-Adam); Adam amplifies those rounding differences over tens of steps, so the
+rounding (tests/test_transformer_lm.py checks that step by step, with
+SGD); Adam amplifies those rounding differences over tens of steps, so the
 printed losses agree to about 1e-6 for the first few steps and to a few
 hundredths after 50 (with SGD they stay within 1e-5). With `--tied` the
 pipeline and hybrid refuse the model: the head reuses the embedding, a weight
