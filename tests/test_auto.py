@@ -438,12 +438,15 @@ def test_candidates_refused_only_by_a_one_row_sample_are_said_with_what_to_pass(
                      r"candidate could be built \(the first, data_parallel \[data=2\]: cannot run: "
                      r"ValueError: The batch size of .*; " + hint + r"\.\n"):  # fmt: skip
     only.choose(model, optax.sgd(0.1), np.zeros((1, 12), np.float32))
-  with warnings.catch_warnings():  # measured at a batch that splits: nothing to say
+  with warnings.catch_warnings():  # measured at a batch given as such: nothing to say
     warnings.simplefilter("error")
     choice = dataclasses.replace(auto, batch_size=8).choose(
       model, optax.sgd(0.1), np.zeros((1, 12), np.float32)
     )
-  assert "could not split" not in choice.reason
+    assert "could not split" not in choice.reason
+    batch = (np.zeros((3, 12), np.float32), np.zeros(3, np.int32))  # (3 rows, 2 devices)
+    choice = auto.choose(model, optax.sgd(0.1), batch[0][:1], sample_batch=batch)
+    assert "could not split" not in choice.reason
 
 
 def test_a_loss_over_other_labels_is_named_once_with_what_to_pass():

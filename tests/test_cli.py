@@ -151,6 +151,14 @@ def test_a_metrics_file_the_run_must_not_replace_is_refused_before_anything_runs
     (["--config", "run.toml"], "--metrics run.toml is the --config file: give the metrics"),
     (["--metrics", "mine.py", "--model-fn", "mine.py:model", "--overwrite"],
      "--metrics mine.py is the --model-fn file"),
+    (["--metrics", "mine.py", "--model-fn", "mine:model", "--overwrite"],  # (as a module)
+     "--metrics mine.py is the --model-fn file"),
+    (["--metrics", "mine.py", "--dataset", "mine:data", "--overwrite"],
+     "--metrics mine.py is the --dataset file"),
+    (["--metrics", "mine.py", "--import", "mine", "--overwrite"],
+     "--metrics mine.py is the --import file"),
+    (["--metrics", "ck/report.png", "--checkpoint-dir", "ck"],  # (drawn there without --out)
+     "--metrics ck/report.png is the report picture"),
     (["--metrics", "link.jsonl", "--overwrite"], "--metrics link.jsonl is not a plain file"),
     (["--metrics", "o/report.png", "--out", "o"], "--metrics o/report.png is the report picture"),
     (["--metrics", "new/"], "--metrics new/ is a directory; give a file name"),

@@ -548,8 +548,8 @@ class Auto(Strategy):
   def _small_batch_hint(self, measured, sample_inputs: Any, sample_batch: Any) -> str:
     """What to pass when candidates failed only for the samples' batch size, or ""."""
     split = [c for c in measured if c.problem and _BATCH_SPLIT in c.problem]
-    if self.batch_size is not None or not split:
-      return ""
+    if self.batch_size is not None or sample_batch is not None or not split:
+      return ""  # (measured at a batch given as such: its refusals are the real batch's)
     batch = self._measuring_batch(sample_inputs, sample_batch)
     return (
       f"{len(split)} candidate(s) could not split the {batch} row(s) of the samples given to "

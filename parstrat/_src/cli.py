@@ -937,7 +937,7 @@ def _check_metrics_file(args: argparse.Namespace, path: pathlib.Path) -> None:
       f"--metrics {path} is not a plain file (a link, a pipe or a device): the metrics are "
       "written to a new file renamed over it, which would replace it; give a file's path"
     )
-  if args.checkpoint_dir is not None and path.name.isdigit():
+  if args.checkpoint_dir is not None and path.name.isdecimal():
     if path.parent.resolve() in [
       d.resolve() for d in _run_dirs(args, pathlib.Path(args.checkpoint_dir))
     ]:
@@ -945,19 +945,23 @@ def _check_metrics_file(args: argparse.Namespace, path: pathlib.Path) -> None:
         f"--metrics {path} is where --checkpoint-dir saves step {int(path.name)}: give the "
         "metrics another name"
       )
-  if args.out is not None:
-    for name in ("report.png", "compare.png"):  # (drawn over it at the end)
-      if path.resolve() == (pathlib.Path(args.out) / name).resolve():
-        raise UsageError(f"--metrics {path} is the report picture: give the metrics another name")
+  out = args.out or args.checkpoint_dir  # (where the report is drawn, at the end)
+  picture = "compare.png" if args.compare else "report.png"
+  if out is not None and path.resolve() == (pathlib.Path(out) / picture).resolve():
+    raise UsageError(f"--metrics {path} is the report picture: give the metrics another name")
   if not path.exists():
     return
+  from parstrat._src import config
+
+  # (the files the entry points load, found as they are: a module's too, unimported)
   inputs = [("--config", getattr(args, "config", None))] + [
-    (flag, str(spec).rpartition(":")[0] or spec)
-    for flag, spec in (("--model-fn", args.model_fn), ("--dataset", args.dataset))
-    if spec is not None
-  ] + [("--import", target) for target in args.imports or ()]  # fmt: skip
+    (flag, config.entry_point_source(spec)) for flag, spec in
+    [("--model-fn", args.model_fn), ("--dataset", args.dataset)]
+    + [("--import", f"{target}:_") for target in args.imports or ()]
+  ]  # fmt: skip
   for flag, other in inputs:
-    if other is not None and pathlib.Path(other).is_file() and path.samefile(other):
+    other = other.rpartition(":")[0] if other and flag != "--config" else other
+    if other and pathlib.Path(other).is_file() and path.samefile(other):
       raise UsageError(f"--metrics {path} is the {flag} file: give the metrics another name")
   if path.stat().st_size and not (args.resume or args.overwrite):
     raise UsageError(
