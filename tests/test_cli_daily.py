@@ -189,6 +189,12 @@ def eval_5_wide(batch_size, seed):  # eval inputs of another width than the trai
   return train, [(x[:10, :5], y[:10])]
 
 
+def eval_int_inputs(batch_size, seed):  # eval inputs of another dtype than the training's
+  train, evaluation = data(batch_size, seed)
+  x, y = evaluation[0]
+  return train, [(x.astype(np.int32), y)]
+
+
 def interrupted(batch_size, seed):  # Ctrl-C while the data loads
   raise KeyboardInterrupt
 
@@ -815,6 +821,14 @@ def test_eval_labels_the_model_cannot_predict_are_named_before_training(
     "eval batch 1: inputs must have shape [B, 12] like the training inputs, got (10, 5)."
   )
   assert "epoch" not in out and len(err.strip().splitlines()) == 1
+  assert _user_run(tmp_path, monkeypatch, "--dataset", "mymodel:eval_int_inputs") == 2
+  assert (
+    capsys.readouterr()
+    .err.strip()
+    .endswith(
+      "eval batch 1: inputs must have dtype float32 like the training inputs, got dtype int32."
+    )
+  )
 
 
 def test_an_error_in_the_users_own_code_is_one_line_naming_where(tmp_path, monkeypatch, capsys):

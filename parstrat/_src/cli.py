@@ -1597,6 +1597,14 @@ def train(args: argparse.Namespace) -> dict:
     )
   for strategy in strategies.values():  # (all before --compare trains the first)
     _check_model_options(strategy, model_options or {})
+  if data.eval_batches is not None:  # (found at the first eval before, after an epoch)
+    try:
+      sample = data.sample_inputs((model_options or {}).get("model_inputs"))
+    except Exception:  # noqa: BLE001 - the trainer's init names what is wrong with it
+      sample = None
+    unlike = None if sample is None else run_data.eval_inputs_unlike(data.eval_batches(), sample)
+    if unlike:
+      raise UsageError(unlike)
   for strategy in list(strategies.values())[1:]:
     # --compare: each later strategy's layout and batch split, checked before the first
     # trains (laid out only: nothing placed); "auto" chooses when its turn comes.
@@ -1805,10 +1813,6 @@ def _train_one(
 
   optimizer, lr_schedule = _optimizer(args, data)
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
-  if data.eval_batches is not None and (model_options or {}).get("model_inputs") is None:
-    unlike = run_data.eval_inputs_unlike(data.eval_batches(), sample)
-    if unlike:  # (found at the first eval before, after an epoch, with a traceback)
-      raise UsageError(unlike)
   outputs = None if data.eval_batches is None else trainer._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss

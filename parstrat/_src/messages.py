@@ -57,21 +57,26 @@ def first_line(error: BaseException, limit: int = 160) -> str:
   return (str(error).strip().splitlines() or [""])[0][:limit]
 
 
+def _library_dirs() -> tuple[str, ...]:
+  """The folders of parstrat, of installed packages and of Python's own library."""
+  import os
+  import site
+  import sysconfig
+
+  paths = sysconfig.get_paths()
+  dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # the parstrat package
+  dirs += [paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths]
+  dirs += [*site.getsitepackages(), site.getusersitepackages()]
+  return tuple(os.path.abspath(d) + os.sep for d in dirs)
+
+
 def _library_file(filename: str) -> bool:
   """Whether `filename` is parstrat's, an installed package's or Python's own."""
   import os
-  import sysconfig
 
-  here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the parstrat package
-  path = os.path.abspath(filename)
-  stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
-  return (
-    filename.startswith("<")
-    or path.startswith(here + os.sep)
-    or f"{os.sep}site-packages{os.sep}" in path
-    or f"{os.sep}dist-packages{os.sep}" in path
-    or path.startswith(stdlib + os.sep)
-  )
+  if filename.startswith("<"):  # (<frozen ...>, <string>)
+    return True
+  return os.path.abspath(filename).startswith(_library_dirs())
 
 
 def raised_at(error: BaseException) -> str:
@@ -91,6 +96,14 @@ def raised_at(error: BaseException) -> str:
     ... except ValueError as e:
     ...   raised_at(e)
     ' (at mymodel.py:2, in net)'
+    >>> try:  # a check of one's own, raised `from None` over it: no place of theirs
+    ...   try:
+    ...     user["net"]()
+    ...   except ValueError:
+    ...     raise TypeError("checked here") from None
+    ... except TypeError as e:
+    ...   raised_at(e)
+    ''
   """
   import traceback
 
@@ -100,7 +113,8 @@ def raised_at(error: BaseException) -> str:
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
       if not _library_file(frame.filename):
         return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
-    error = error.__cause__ or error.__context__
+    # (what it was raised from; a context hidden by `raise ... from None` is not)
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
   return ""
 
 

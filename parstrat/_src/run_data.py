@@ -323,11 +323,13 @@ def eval_label_outside(batches: Iterable[Any], classes: int) -> str | None:
 
 
 def eval_inputs_unlike(batches: Iterable[Any], sample: Any) -> str | None:
-  """Names the first eval batch whose inputs `trainer.apply` would refuse, or None.
+  """Names the first eval batch whose inputs `eval_accuracy` would give `trainer.apply`
+  and `apply` would refuse, or None.
 
-  The inputs of `(inputs, labels)` batches must have the structure, per-example
-  shapes and dtypes of `sample`, the training inputs given to `init` (the
-  check `apply` makes). Other batches are passed over (they give no accuracy).
+  `eval_accuracy` passes the inputs of `(inputs, integer labels)` pairs, up to the
+  first batch that is not one; they must have the structure, per-example shapes
+  and dtypes (as JAX sees them) of `sample`, the training inputs given to `init`:
+  the check `apply` makes.
 
   Example:
     >>> train = np.zeros((1, 12), np.float32)
@@ -337,19 +339,21 @@ def eval_inputs_unlike(batches: Iterable[Any], sample: Any) -> str | None:
   import jax
 
   from parstrat._src.strategy import _check_like  # (the one check: `apply`'s own)
+  from parstrat._src.strategy import _per_example
 
-  spec = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jax.dtypes.canonicalize_dtype(x.dtype)),
-    sample,
-  )
+  spec = _per_example(jax.tree.map(np.asarray, sample))
   for index, batch in enumerate(batches):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-      continue
+      return None  # (eval_accuracy stops here: no accuracy at all)
+    if not np.issubdtype(np.asarray(batch[1]).dtype, np.integer):
+      return None
+    what = f"eval batch {index + 1}: inputs"
     try:
       inputs = jax.tree.map(np.asarray, batch[0])
-      _check_like(f"eval batch {index + 1}: inputs", inputs, spec, "the training inputs")
+      _check_like(what, inputs, spec, "the training inputs")
     except (TypeError, ValueError) as e:
-      return str(e)
+      message = str(e)
+      return message if message.startswith(what) else f"{what}: {message}"
   return None
 
 
