@@ -70,6 +70,14 @@ def test_a_tfds_dataset_not_prepared_offline_is_one_line_at_once(monkeypatch, tm
   with tfds.testing.mock_data(num_examples=8):  # prepared (here: mocked): no network asked
     data = run_data.from_tfds("fashion_mnist", data_dir=str(tmp_path), batch_size=4, seed=0)
   assert asked == ["storage.googleapis.com"] and data.steps_per_epoch == 2
+  # Prepared but unreadable (another file format, say): its own error, not "offline".
+  monkeypatch.setattr(datasets, "tfds_prepared", lambda name, data_dir: True)
+  with pytest.raises(ValueError, match=r"^--dataset 'fashion_mnist': tfds cannot read it \("):
+    run_data.from_tfds("fashion_mnist", data_dir=str(tmp_path), batch_size=4, seed=0)
+  assert asked == ["storage.googleapis.com"]
+  # Behind an HTTPS proxy names may resolve only there: the network is not asked.
+  monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+  assert datasets.network_answers() and asked == ["storage.googleapis.com"]
 
 
 def test_auto_falls_back_to_the_sample_in_one_line(monkeypatch, tmp_path):

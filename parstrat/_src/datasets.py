@@ -117,14 +117,15 @@ def load_tfds(data_dir: str | None = None, *, download: bool = True) -> Dataset:
   return Dataset(train_images, train_labels, eval_images, eval_labels, source="tfds")
 
 
-def _tfds_prepared(data_dir: str | None) -> bool:
+def tfds_prepared(name: str, data_dir: str | None) -> bool:
+  """Whether tfds has dataset `name` prepared in `data_dir` (False where it cannot tell)."""
   import tensorflow_datasets as tfds
   from absl import logging as absl_logging
 
   verbosity = absl_logging.get_verbosity()
   absl_logging.set_verbosity(absl_logging.ERROR)  # "no dataset_info.json" is expected here
   try:
-    return tfds.builder("mnist", data_dir=data_dir).is_prepared()
+    return tfds.builder(name, data_dir=data_dir).is_prepared()
   except Exception:  # noqa: BLE001 - any failure means "not usable"
     return False
   finally:
@@ -147,7 +148,15 @@ PROBE_TIMEOUT_S = 3.0
 
 
 def network_answers() -> bool:
-  """Whether `PROBE_HOST` resolves within `PROBE_TIMEOUT_S` (False: offline)."""
+  """Whether `PROBE_HOST` resolves within `PROBE_TIMEOUT_S` (False: offline).
+
+  Behind an HTTPS proxy (`HTTPS_PROXY`), where names may resolve only at the
+  proxy, the network is taken to answer.
+  """
+  import os
+
+  if any(os.environ.get(key) for key in ("HTTPS_PROXY", "https_proxy")):
+    return True
   return _resolves(PROBE_HOST, timeout=PROBE_TIMEOUT_S)
 
 
@@ -167,7 +176,7 @@ def _resolves(host: str | None, timeout: float) -> bool:
 
 def _tfds_or_one_line(data_dir: str | None) -> Dataset:
   """`source="tfds"`: MNIST through tfds, or a one-line `ValueError` saying why not."""
-  if _tfds_prepared(data_dir):
+  if tfds_prepared("mnist", data_dir):
     return load_tfds(data_dir, download=False)
   host = _download_host()
   if not _resolves(host, timeout=3.0):  # tfds would retry for minutes, then fail
@@ -210,7 +219,7 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
     return load_sample()
   if source == "tfds":
     return _tfds_or_one_line(data_dir)
-  if _tfds_prepared(data_dir):
+  if tfds_prepared("mnist", data_dir):
     return load_tfds(data_dir, download=False)
   if _resolves(_download_host(), timeout=3.0):
     try:

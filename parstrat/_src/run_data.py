@@ -145,6 +145,8 @@ def from_tfds(name: str, *, data_dir: str | None, batch_size: int, seed: int) ->
     except tfds.core.registered.DatasetNotFoundError:
       raise
     except Exception:  # noqa: BLE001 - not prepared: tfds downloads it, if the network answers
+      if datasets.tfds_prepared(name, data_dir):
+        raise  # (prepared but unreadable: its own error, below)
       offline = not datasets.network_answers()
       if not offline:
         train = tfds.data_source(name, split="train", data_dir=data_dir)
