@@ -1848,6 +1848,10 @@ def _train_one(
   ckpt = None
   first_epoch, skip_batches = 0, 0
   resume_step = None
+  # Where this run's metrics go, kept in its checkpoints (a resumed leg that writes them
+  # elsewhere says where the run's are).
+  where = {"metrics": None if metrics_path is None else str(pathlib.Path(metrics_path).resolve())}
+  restored_where = where
   optimizer_start = 0  # the step the optimizer state (and its lr schedule) started at
   if args.checkpoint_dir:
     ckpt, restored, meta = _open_checkpoints(args, strategy, trainer, say, data)
@@ -1860,11 +1864,14 @@ def _train_one(
       if args.fresh_optimizer:  # (its schedule counts only the updates after this step)
         running["skipped_before_optimizer"] = running["skipped_steps"]
       earlier = meta.get("metrics")
+      # (kept as saved in a checkpoint of this step again: the same meta writes nothing)
+      restored_where = {"metrics": earlier} if "metrics" in meta else {}
       if (
         earlier is not None
         and metrics_path is not None
         and pathlib.Path(earlier) != pathlib.Path(metrics_path).resolve()
         and pathlib.Path(earlier).is_file()
+        and not (pathlib.Path(metrics_path).is_file() and pathlib.Path(metrics_path).stat().st_size)
       ):  # (a leg without the first's --out or --metrics: its history went on elsewhere)
         say(
           f"the run's metrics up to step {step} are in {earlier}; this leg writes "
@@ -1949,8 +1956,7 @@ def _train_one(
     return {"epoch": epoch, "batch": batch, "batches_seen": step, "seed": args.seed,
             "batch_size": args.batch_size, "config": _run_config(args, data),
             "running": sums, "optimizer_start": optimizer_start,
-            "metrics": None if metrics_path is None
-            else str(pathlib.Path(metrics_path).resolve())}  # fmt: skip
+            **(restored_where if step == resume_step else where)}  # fmt: skip
 
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
