@@ -709,7 +709,14 @@ def _strategy_config(
 
       key = refused[0]
       typed = flags.get(key, "").startswith("strategy-option")  # (a name typed: a typo?)
-      given = f"--strategy-option {key}={config[key]}" if typed else f"{flag_of(key)} {config[key]}"
+      value = config[key]
+      given = (  # (as typed)
+        f"--strategy-option {key}={_strategy_options(args)[key]}"
+        if typed
+        else f"--{'' if value else 'no-'}{flag_of(key)[2:]}"
+        if isinstance(value, bool)
+        else f"{flag_of(key)} {value}"
+      )
       match = messages.closest(key, names) if typed else None
       takes = ", ".join(flag_of(k) for k in names) or "no strategy flags"
       raise UsageError(

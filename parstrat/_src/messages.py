@@ -161,13 +161,14 @@ def batch_size_message(
     parts.append(f"{microbatches} microbatches{default_note}")
   if accumulate > 1:
     parts.append(f"accumulate={accumulate}")
-  detail = " x ".join(parts) or "1"
+  detail = " x ".join(parts)
   below, above = nearest_multiples(batch, multiple)
   nearest = f"{below} and {above}" if below else f"{above}"
   plural = "s are" if below else " is"
   return (
-    f"The batch size of {what} must be a positive multiple of {multiple} ({detail}), "
-    f"got {batch}; the nearest valid size{plural} {nearest}."
+    f"The batch size of {what} must be a positive multiple of {multiple}"
+    + (f" ({detail})" if detail else "")
+    + f", got {batch}; the nearest valid size{plural} {nearest}."
   )
 
 

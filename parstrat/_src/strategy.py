@@ -1556,9 +1556,12 @@ class Trainer:
     self._check_state(state, "apply")
     inputs = self._to_global(_arrays("inputs", inputs))
     _check_like("inputs", inputs, self._input_spec, "the sample_inputs given to init")
+    rows = _batch_size("inputs", inputs)
     try:
-      self._check_batch_size(_batch_size("inputs", inputs), "inputs", accumulate=1)
+      self._check_batch_size(rows, "inputs", accumulate=1)
     except ValueError as e:
+      if rows < 1:
+        raise
       raise ValueError(
         f"{e} Pad the inputs, or run the model on one device without the layout: "
         "model.apply(trainer.params(state), ...)."
