@@ -18,6 +18,7 @@ import parstrat
 import parstrat.testing
 from parstrat import pipeline
 from parstrat._src import hlo_check
+from parstrat._src import precision
 from parstrat._src.pipeline import backward_split
 from parstrat._src.pipeline import engine
 from parstrat._src.pipeline import partition
@@ -160,16 +161,17 @@ def test_a_cond_given_the_parameters_is_named_as_the_reason_no_cut_exists():
     x = jax.nn.relu(hk.Linear(16, name="l1")(x))
     return hk.Linear(10, name="head")(x)
 
-  model = hk.transform(net)
   x = jax.ShapeDtypeStruct((1, 12), jnp.float32)
-  params = jax.eval_shape(model.init, jax.random.key(0), x)
-  with pytest.raises(ValueError) as e:
-    pipeline.plan_stages(_apply(model), params, x, 2)
-  assert "only 0 of its 3 layer boundaries are cuttable (one `cond` equation (hk.cond" in str(
-    e.value
-  )
-  assert "keep such a branch within one layer's module" in str(e.value)
-  assert "tied" not in str(e.value) and str(e.value).count("`cond`") == 1
+  # (under a precision policy the cond takes the cast parameters: the same reason)
+  for policy in (None, "mixed_bfloat16"):
+    model = precision.with_policy(hk.transform(net), precision.resolve_policy(policy))
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    with pytest.raises(ValueError) as e:
+      pipeline.plan_stages(_apply(model), params, x, 2)
+    message = str(e.value)
+    assert "only 0 of its 3 layer boundaries are cuttable (one `cond` equation (hk.cond" in message
+    assert "keep such a branch within one layer's module" in message
+    assert "tied" not in message and message.count("`cond`") == 1
 
 
 def test_stage_boundary_markers():

@@ -62,7 +62,7 @@ def records_up_to(records: list[dict[str, Any]], step: int) -> list[dict[str, An
     >>> records_up_to([{"step": 1}, {"step": 2}, {"step": 3}], 2)
     [{'step': 1}, {'step': 2}]
   """
-  return [r for r in records if r.get("step", 0) <= step]
+  return [r for r in records if r["step"] <= step]  # (read_history: each has one)
 
 
 class History:

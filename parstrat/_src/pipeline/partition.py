@@ -317,6 +317,7 @@ class _Analysis:
   markers: list[int]
   eqn_layer: list[int]  # the (ordered) layer each equation is counted towards
   from_inputs: set[Any]  # values computed from the model inputs and constants alone
+  bodied: list[tuple[str, frozenset]]  # see `_bodied_reads`
 
 
 def _analyse(trace: _Trace) -> _Analysis:
@@ -372,7 +373,9 @@ def _analyse(trace: _Trace) -> _Analysis:
       if _is_var(v) and v in param_layer:
         current = max(current, rank[param_layer[v]])
     eqn_layer.append(current)
-  return _Analysis(layer_order, first_read, last_read, live, markers, eqn_layer, from_inputs)
+  return _Analysis(
+    layer_order, first_read, last_read, live, markers, eqn_layer, from_inputs, _bodied_reads(trace)
+  )
 
 
 def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
@@ -398,24 +401,38 @@ def _has_body(eqn) -> bool:
   return False
 
 
-def _one_equation_across(
-  trace: _Trace, earlier: Sequence[int], later: Sequence[int], start: int, stop: int
+def _bodied_reads(trace: _Trace) -> list[tuple[str, frozenset]]:
+  """Each equation with a body of its own (a `cond`) that takes parameters of more than
+  one layer: its primitive's name and those layers (a cast parameter, as under a
+  precision policy, counted as its layer's)."""
+  layers_of: dict[Any, frozenset] = {
+    v: frozenset({trace.leaf_layer[i]}) for i, v in enumerate(trace.param_vars)
+  }
+  layers_of.update({v: frozenset() for v in trace.jaxpr.constvars})
+  found = []
+  for eqn in trace.jaxpr.eqns:
+    reads = [v for v in eqn.invars if _is_var(v)]
+    layers = frozenset().union(*(layers_of.get(v, frozenset()) for v in reads))
+    if not eqn.effects and all(v in layers_of for v in reads):
+      layers_of.update({v: layers for v in eqn.outvars})
+    if len(layers) > 1 and _has_body(eqn):
+      found.append((eqn.primitive.name, layers))
+  return found
+
+
+def _across_reason(
+  trace: _Trace, analysis: _Analysis, earlier: Sequence[int], later: Sequence[int]
 ) -> str | None:
-  """Why no cut exists, where one equation with a body of its own (a `cond`) takes the
-  parameters of layers on both sides of the cut: None where none does."""
-  param_layer = {v: trace.leaf_layer[i] for i, v in enumerate(trace.param_vars)}
-  for i in range(start, stop + 1):
-    eqn = trace.jaxpr.eqns[i]
-    if not _has_body(eqn):
-      continue
-    layers = {param_layer[v] for v in eqn.invars if _is_var(v) and v in param_layer}
+  """Why no cut exists between `earlier` and `later` layers where one equation with a
+  body (a `cond`) takes parameters of both: the cut cannot split what it reads."""
+  for primitive, layers in analysis.bodied:
     if layers & set(earlier) and layers & set(later):
       names = ", ".join(repr(trace.layer_names[x]) for x in [*earlier, *later] if x in layers)
       return (
-        f"one `{eqn.primitive.name}` equation (hk.cond, hk.switch, lax.cond or a loop given "
-        f"the parameters) takes the parameters of layers {names} at once, so which of "
-        "them its body reads where is not known to the cut; keep such a branch within one "
-        "layer's module, or compute both sides and pick with jnp.where"
+        f"one `{primitive}` equation (hk.cond, hk.switch, lax.cond or a loop given the "
+        f"parameters) takes the parameters of layers {names} at once, so which of them its "
+        "body reads where is not known to the cut; keep such a branch within one layer's "
+        "module, or compute both sides and pick with jnp.where"
       )
   return None
 
@@ -444,13 +461,13 @@ def _boundary_cut(
     parameters are read on both sides (a shared or tied weight; else empty).
   """
   order = analysis.layer_order
+  across = _across_reason(trace, analysis, order[:k], order[k:])
+  if across is not None:  # (its reads would look tied, interleaved or a skip connection)
+    return None, across, ()
   before = max(analysis.last_read[layer] for layer in order[:k])
   after = min(analysis.first_read[layer] for layer in order[k:])
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
-    across = _one_equation_across(trace, order[:k], order[k:], after, before)
-    if across is not None:  # (it reads them all: they would look tied or interleaved)
-      return None, across, ()
     again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
     if again != [a]:  # an earlier layer comes back: a shared or tied weight
       return None, _tied_reason(again, [b]), tuple(again)
