@@ -208,7 +208,10 @@ def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeyp
     (["train", "--batch-size", "x"], "expected a positive"),
     # (an OverflowError's traceback from jax.random.key; 2**32 trained as seed 0)
     (["train", "--seed", str(2**64)], "--seed: expected an integer from 0 to 4294967295, got"),
-    (["train", "--seed", str(2**32)], "(a JAX key keeps 32 bits of it: it would train as another"),
+    (
+      ["train", "--seed", str(2**32)],
+      "(a JAX key keeps 32 bits of it without 64-bit mode: it would",
+    ),
   ],
 )
 def test_argument_errors_exit_2(args, message, capsys):

@@ -148,7 +148,7 @@ def _seed(text: str) -> int:
   if value >= 2**32:
     raise argparse.ArgumentTypeError(
       f"expected an integer from 0 to {2**32 - 1}, got {value} (a JAX key keeps 32 bits of "
-      "it: it would train as another seed)"
+      "it without 64-bit mode: it would train as another seed)"
     )
   return value
 
