@@ -494,6 +494,17 @@ def test_a_stateful_model_is_measured_without_a_sample_batch():
     fsdp_state, fsdp_metrics = fsdp.step(fsdp_state, (x, y))
     assert float(metrics["loss"]) == float(fsdp_metrics["loss"])
   jax.tree.map(np.testing.assert_array_equal, state.model_state, fsdp_state.model_state)
+  assert "each device's" not in trainer.choice.reason  # (fsdp: the whole batch's)
+  # Where data parallelism wins, its choice says that BatchNorm's statistics become each
+  # device's (it chose it without a word; fsdp, which keeps them whole, was 2x slower).
+  choice = dataclasses.replace(auto, candidates=("data_parallel", "fsdp")).choose(
+    model, optax.sgd(0.1), images[0][:1]
+  )
+  assert choice.reason.startswith("chose data_parallel [data=2]"), choice.reason
+  assert choice.reason.endswith(
+    "; the model's state (BatchNorm's statistics) is then each device's, averaged, not the "
+    "whole batch's (fsdp zero=2 [data=2] computes it on the whole batch)"
+  ), choice.reason
 
 
 def test_a_tie_goes_to_the_built_in_strategy_not_a_users_copy(measured):

@@ -204,6 +204,8 @@ class Candidate:
     state_bytes: per-device bytes of params and optimizer state.
     compute_s, comm_bytes, comm_s, latency_s, time_s: the cost model's terms.
     problem: why the candidate cannot run (empty when it can).
+    per_device_state: whether the model keeps state (BatchNorm) that this
+      candidate updates per device from its own rows, then averages.
   """
 
   name: str
@@ -217,6 +219,7 @@ class Candidate:
   latency_s: float = math.inf
   time_s: float = math.inf
   problem: str = ""
+  per_device_state: bool = False
 
   @property
   def label(self) -> str:
@@ -694,6 +697,11 @@ class Auto(Strategy):
               state_bytes=state_bytes,
               time_s=time_s,
               problem=problem,
+              # (the model runs per device on its rows: its state, e.g. BatchNorm's
+              # statistics, is each device's, averaged; not the whole batch's)
+              per_device_state=bool(jax.tree.leaves(abstract_state))
+              and plan.manual
+              and bool(batch_axes(plan.batch_spec)),
               **estimate,
             )
           )
@@ -787,6 +795,12 @@ def rank(candidates: Sequence[Candidate], memory_budget: int | str | None) -> Ch
     reason += f" of the {len(fits)} candidate(s) within the budget"
   if len(fits) > 1:
     reason += f"; next, {fits[1].label}, is {fits[1].time_s / winner.time_s:.2f}x slower"
+  if winner.per_device_state:
+    whole = next((c for c in fits if not c.per_device_state), None)
+    reason += (
+      "; the model's state (BatchNorm's statistics) is then each device's, averaged, not the "
+      "whole batch's" + (f" ({whole.label} computes it on the whole batch)" if whole else "")
+    )
   fastest = min(runnable, key=speed)
   if over(fastest):
     reason += (
