@@ -51,6 +51,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from parstrat._src import messages
 from parstrat._src import registry
 from parstrat._src import tensor_split
 from parstrat._src.pipeline import partition as partition_lib
@@ -550,7 +551,7 @@ class Auto(Strategy):
 
   def _small_batch_hint(self, measured, sample_inputs: Any, sample_batch: Any) -> str:
     """What to pass when candidates failed only for the samples' batch size, or ""."""
-    split = [c for c in measured if c.problem and _BATCH_SPLIT in c.problem]
+    split = [c for c in measured if c.problem and messages.BATCH_SIZE_PHRASE in c.problem]
     if self.batch_size is not None or sample_batch is not None or not split:
       return ""  # (measured at a batch given as such: its refusals are the real batch's)
     batch = self._measuring_batch(sample_inputs, sample_batch)
@@ -718,10 +719,6 @@ class Auto(Strategy):
           )
         )
     return measured
-
-
-#: In the message of a batch a candidate cannot split (`messages.batch_size_message`).
-_BATCH_SPLIT = "must be a positive multiple of"
 
 
 def batch_axes(batch_spec) -> tuple[str, ...]:

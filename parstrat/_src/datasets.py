@@ -144,6 +144,7 @@ def _download_host() -> str | None:
 #: A host any tfds download needs the network for (tfds's own GCS mirror): whether it
 #: resolves tells an offline machine, where tfds would retry for minutes.
 PROBE_HOST = "storage.googleapis.com"
+#: How long a name lookup may take before the machine counts as offline (MNIST's too).
 PROBE_TIMEOUT_S = 3.0
 
 
@@ -179,7 +180,7 @@ def _tfds_or_one_line(data_dir: str | None) -> Dataset:
   if tfds_prepared("mnist", data_dir):
     return load_tfds(data_dir, download=False)
   host = _download_host()
-  if not _resolves(host, timeout=3.0):  # tfds would retry for minutes, then fail
+  if not _resolves(host, timeout=PROBE_TIMEOUT_S):  # tfds would retry for minutes, then fail
     where = data_dir or "the default tfds data directory"
     raise ValueError(
       f"source 'tfds': MNIST is not prepared in {where} and "
@@ -221,7 +222,7 @@ def load_mnist(source: str = "auto", *, data_dir: str | None = None, log=print) 
     return _tfds_or_one_line(data_dir)
   if tfds_prepared("mnist", data_dir):
     return load_tfds(data_dir, download=False)
-  if _resolves(_download_host(), timeout=3.0):
+  if _resolves(_download_host(), timeout=PROBE_TIMEOUT_S):
     try:
       return load_tfds(data_dir)
     except Exception as e:  # noqa: BLE001 - any download failure falls back

@@ -131,6 +131,10 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
   return (below or None), below + multiple
 
 
+#: The words every batch-size error holds (`batch_size_message`), for those who sort errors.
+BATCH_SIZE_PHRASE = "must be a positive multiple of"
+
+
 def batch_size_message(
   what: str, batch: int, split: str, ways: int, microbatches: int, default_note: str,
   accumulate: int,
@@ -166,7 +170,7 @@ def batch_size_message(
   nearest = f"{below} and {above}" if below else f"{above}"
   plural = "s are" if below else " is"
   return (
-    f"The batch size of {what} must be a positive multiple of {multiple}"
+    f"The batch size of {what} {BATCH_SIZE_PHRASE} {multiple}"
     + (f" ({detail})" if detail else "")
     + f", got {batch}; the nearest valid size{plural} {nearest}."
   )
