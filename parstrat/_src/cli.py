@@ -1585,13 +1585,13 @@ def train(args: argparse.Namespace) -> dict:
   args.entry_point_sources = {f"{key}_source": config.entry_point_source(getattr(args, key))
                               for key in ("model_fn", "dataset")}  # fmt: skip
   say(f"data: {data.description}")
-  unused = (
+  ignored = (
     [f"--source {args.source}"] if args.source != "auto" and args.dataset != run_data.MNIST else []
   )
   if args.data_dir is not None and ":" in args.dataset:  # (tfds reads --data-dir; a function not)
-    unused.append(f"--data-dir {args.data_dir}")
-  if unused:  # (as --hidden with --model-fn: a flag that does nothing is said)
-    say(f"{', '.join(unused)}: not used, the data is --dataset {args.dataset}")
+    ignored.append(f"--data-dir {args.data_dir}")
+  if ignored:  # (as --hidden with --model-fn: a flag that does nothing is said)
+    say(f"{', '.join(ignored)}: not used, the data is --dataset {args.dataset}")
   try:  # (each process reads the data itself: from its own --data-dir, its own tfds)
     distributed.check_same_everywhere("data", _data_fingerprint(data))
   except ValueError as e:
