@@ -186,7 +186,7 @@ def test_an_empty_path_in_a_config_file_is_named_with_the_file(tmp_path, monkeyp
   monkeypatch.chdir(tmp_path)
   (tmp_path / "run.toml").write_text('checkpoint-dir = ""\n')
   assert cli.main(["train", "--config", "run.toml", "--overwrite"]) == 2
-  assert "run.toml: checkpoint-dir = '': --checkpoint-dir is an empty path" in (
+  assert 'run.toml: checkpoint-dir = "": --checkpoint-dir is an empty path' in (
     capsys.readouterr().err
   )
   assert list(tmp_path.iterdir()) == [tmp_path / "run.toml"]
@@ -265,9 +265,7 @@ def test_train_auto_prints_its_choice(capsys):
   )  # fmt: skip
   out = capsys.readouterr().out
   assert code == 0
-  assert (
-    "auto chooses the mesh and pipeline options itself; not used: stages = 2, unroll = True" in out
-  )
+  assert "auto chooses the mesh and pipeline options itself; not used: --stages 2, --unroll" in out
   assert "parstrat auto: 8 candidates, memory budget none per device" in out
   labels = ("data_parallel [data=2]", "fsdp zero=1 [data=2]", "tensor [model=2]")
   for label in (*labels, "pipeline [stage=2]", "pipeline activations=save [stage=2]"):

@@ -403,8 +403,10 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
   [
     ("batchsize = 3", "run.toml: unknown key 'batchsize'; did you mean 'batch-size'?"),
     ("epochs = 0", "run.toml: epochs = 0: expected a positive integer, got 0"),
-    ('schedule = "zigzag"', "run.toml: schedule = 'zigzag': choose one of gpipe, 1f1b"),
+    ('schedule = "zigzag"', 'run.toml: schedule = "zigzag": choose one of gpipe, 1f1b'),
     ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
+    # (a value is named as the file writes it: `true`, not Python's True)
+    ("batch-size = true", "run.toml: batch-size = true: expected a number or a string"),
     # (`--progress` undoes a file's no-progress; as a key, `false` would do nothing)
     ("progress = false", "run.toml: unknown key 'progress'; did you mean 'no-progress'?"),
     # (nor a `--no-` form: `no-resume = false` would do nothing; the file writes resume = false)
@@ -415,9 +417,9 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ("seed = -1", "run.toml: seed = -1: expected an integer >= 0, got -1"),
     ("epochs = 2\n[train]\nseed = 1", "run.toml: keys both in a [train] table and outside it"),
     # (names the run's code looks up: checked before any data loads)
-    ('strategy = "pipline"', "run.toml: strategy = 'pipline': Unknown strategy 'pipline'"),
-    ('optimizer = "adamm"', "run.toml: optimizer = 'adamm': Unknown optimizer 'adamm' (choose"),
-    ('precision = "mixed_bf16"', "run.toml: precision = 'mixed_bf16': Unknown precision"),
+    ('strategy = "pipline"', "run.toml: strategy = \"pipline\": Unknown strategy 'pipline'"),
+    ('optimizer = "adamm"', "run.toml: optimizer = \"adamm\": Unknown optimizer 'adamm' (choose"),
+    ('precision = "mixed_bf16"', 'run.toml: precision = "mixed_bf16": Unknown precision'),
   ],
 )
 def test_config_errors_are_one_line_naming_the_key(tmp_path, monkeypatch, capsys, text, message):

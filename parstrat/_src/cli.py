@@ -636,7 +636,10 @@ def _check_not_empty(args: argparse.Namespace, key: str) -> None:
 def _bad_option(args: argparse.Namespace, key: str, message: str) -> UsageError:
   """The error for a bad value of option `key`, naming the config file where it was set."""
   if key in getattr(args, "from_config", ()):
-    return UsageError(f"{args.config}: {key.replace('_', '-')} = {getattr(args, key)!r}: {message}")
+    from parstrat._src import config
+
+    written = config.toml_value(getattr(args, key))  # (as the file writes it)
+    return UsageError(f"{args.config}: {key.replace('_', '-')} = {written}: {message}")
   return UsageError(message)
 
 
@@ -676,6 +679,7 @@ def _strategy_config(
       config[key] = value
   flags = {"data": "data-parallel", "model": "tensor-parallel"}
   cls = parstrat._src.registry.lookup(name)
+  from_config = getattr(args, "from_config", set()) - {"strategy_options"}
   for key, text in _strategy_options(args).items():  # (the command line's, after the file's)
     if key == "devices":
       raise UsageError(
@@ -688,12 +692,26 @@ def _strategy_config(
       )
     config[key] = _option_value(cls, key, text)
     flags[key] = f"strategy-option {key}"
+
+  def as_typed(key: str) -> str:
+    """A strategy option as given: "stages = 2" from the --config file, "--stages 2" or
+    "--no-unroll" from the command line."""
+    if flags.get(key, "").startswith("strategy-option"):
+      return f"--strategy-option {key}={_strategy_options(args)[key]}"
+    flag, value = flags.get(key, key.replace("_", "-")), config[key]
+    if key in from_config:
+      from parstrat._src.config import toml_value
+
+      return f"{flag} = {toml_value(value)}"
+    if isinstance(value, bool):
+      return f"--{'' if value else 'no-'}{flag}"
+    return f"--{flag} {value}"
+
   if cls.deferred:  # "auto" measures the real batch
     unused = [k for k in config if k != "memory_budget"]
     config.update(batch_size=args.batch_size, verbose=distributed.is_primary())
   else:
     names, takes_any = parstrat._src.registry.options_of(cls)
-    from_config = getattr(args, "from_config", set()) - {"strategy_options"}
     unused = [
       k for k in config if not takes_any and k not in names and (compare or k in from_config)
     ]
@@ -709,25 +727,15 @@ def _strategy_config(
 
       key = refused[0]
       typed = flags.get(key, "").startswith("strategy-option")  # (a name typed: a typo?)
-      value = config[key]
-      given = (  # (as typed)
-        f"--strategy-option {key}={_strategy_options(args)[key]}"
-        if typed
-        else f"--{'' if value else 'no-'}{flag_of(key)[2:]}"
-        if isinstance(value, bool)
-        else f"{flag_of(key)} {value}"
-      )
       match = messages.closest(key, names) if typed else None
       takes = ", ".join(flag_of(k) for k in names) or "no strategy flags"
       raise UsageError(
-        f"{given}: {name} has no option {key!r}"
+        f"{as_typed(key)}: {name} has no option {key!r}"
         + (f"; did you mean {match!r}?" if match else "")
         + f" (it takes {takes})"
       )
-  return (
-    {k: v for k, v in config.items() if k not in unused},
-    [f"{flags.get(k, k.replace('_', '-'))} = {config[k]}" for k in unused],
-  )
+
+  return {k: v for k, v in config.items() if k not in unused}, [as_typed(k) for k in unused]
 
 
 def _strategy_options(args: argparse.Namespace) -> dict[str, str]:

@@ -120,10 +120,10 @@ def config_to_argv(
       raise ConfigError(f"{source}: unknown key {key!r}{did_you_mean(name, valid)}")
     action = options[name]
     flag = f"--{name}"
-    where = f"{source}: {key} = {value!r}"
+    where = f"{source}: {key} = {toml_value(value)}"  # (as the file writes it)
     if isinstance(value, dict) and action.dest == "strategy_options":
       # ([strategy-option] hosts = 4: each key one KEY=VALUE, the value in TOML again)
-      argv += [flag, *(f"{k}={_toml_value(v)}" for k, v in value.items())]
+      argv += [flag, *(f"{k}={toml_value(v)}" for k, v in value.items())]
       continue
     if isinstance(value, dict):
       raise ConfigError(f"{where}: expected a value, got a table")
@@ -138,7 +138,10 @@ def config_to_argv(
     if not values and action.nargs == "+":
       raise ConfigError(f"{where}: expected at least one value")
     if any(isinstance(v, (bool, dict, list)) for v in values):
-      raise ConfigError(f"{where}: expected {'numbers or strings' if values else 'a value'}")
+      several = action.nargs in ("+", "*")
+      raise ConfigError(
+        f"{where}: expected {'numbers or strings' if several else 'a number or a string'}"
+      )
     tokens = [str(v) for v in values]
     for token in tokens:
       try:
@@ -152,7 +155,7 @@ def config_to_argv(
   return argv
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
   """`value` written as TOML (a string quoted, a bool as true/false)."""
   import json
 
