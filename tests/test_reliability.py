@@ -753,6 +753,47 @@ def test_the_checkpointer_closes_when_the_metrics_file_cannot(tmp_path, monkeypa
   assert closed == [True]  # orbax's threads are not left running at exit
 
 
+def test_a_failed_save_names_its_cause_and_the_newest_kept_and_loses_nothing(
+  trainer, tmp_path, monkeypatch, capsys
+):
+  # A save that failed mid-run (a full disk, a directory gone) was orbax's traceback.
+  directory = tmp_path / "gone"
+  with Checkpointer(directory) as ckpt:
+    ckpt.save(trainer, _fresh(trainer), {}, step=1, force=True)
+    shutil.rmtree(directory)
+    directory.write_text("not a directory any more")  # (a real failure: no mock)
+    with pytest.raises(CheckpointError) as raised:
+      ckpt.save(trainer, _fresh(trainer), {}, step=2, force=True)
+  assert str(raised.value).startswith(f"saving checkpoint step 2 in {directory} failed (")
+  assert str(raised.value).endswith("); no checkpoint is kept")  # (step 1 went with it)
+  assert isinstance(raised.value.__cause__, OSError)
+
+  # The command line: one line naming the step, the cause and the newest kept; a resume
+  # goes on from there, and the metrics hold every step once.
+  import orbax.checkpoint as ocp
+
+  real_save = ocp.CheckpointManager.save
+
+  def full_disk_at_6(self, step, *args, **kwargs):
+    if step == 6:
+      raise OSError(28, "No space left on device")
+    return real_save(self, step, *args, **kwargs)
+
+  ckpt = tmp_path / "ck"
+  flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--save-every", "3", "--steps", "9"]
+  with monkeypatch.context() as patch:
+    patch.setattr(ocp.CheckpointManager, "save", full_disk_at_6)
+    assert cli.main(flags) == 1
+  assert _one_line(capsys.readouterr().err) == (
+    f"parstrat train: stopped: saving checkpoint step 6 in {ckpt} failed (OSError: [Errno 28] "
+    "No space left on device); the newest kept is step 3: once the cause is fixed, --resume "
+    "goes on from there"
+  )
+  assert cli.main([*flags, "--resume"]) == 0
+  assert f"resumed from {ckpt} at step 3 " in capsys.readouterr().out
+  assert _steps(ckpt / "metrics.jsonl") == list(range(1, 10))
+
+
 # ------------------------------------------------------------------ donated and foreign states
 
 

@@ -37,7 +37,8 @@ class CheckpointWarning(UserWarning):
 
 
 class CheckpointError(Exception):
-  """No checkpoint could be restored: every one is damaged or unreadable."""
+  """No checkpoint could be restored (every one is damaged or unreadable), or one could not
+  be saved (another run's checkpoints in the way, or the write itself failed)."""
 
 
 class CheckpointDoesNotFit(ValueError):
@@ -241,7 +242,9 @@ class Checkpointer:
         cannot hold, naming it.
       CheckpointError: for checkpoints at `step` or later of another run (see
         above), naming them, or a file where checkpoint `step` would go; nothing
-        is written or deleted.
+        is written or deleted. Also when the write itself fails (a full disk, a
+        directory gone), naming the cause and the newest checkpoint kept (the
+        error it was raised from is chained).
     """
     if not isinstance(meta, dict):
       raise TypeError(f"meta must be a dict of JSON-able values, got {type(meta).__name__}.")
@@ -291,17 +294,30 @@ class Checkpointer:
     for old in [*damaged, *later]:  # (later: this run's beyond, or `step` written again)
       self._manager.delete(old)
     exported = _without_empty(trainer.export_state(state))
-    saved = self._manager.save(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardSave(exported), meta=ocp.args.JsonSave(dict(meta))
-      ),
-      force=True,
-    )
+    try:
+      saved = self._manager.save(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(exported), meta=ocp.args.JsonSave(dict(meta))
+        ),
+        force=True,
+      )
+      if saved:
+        self._manager.wait_until_finished()
+        if jax.process_index() == 0:
+          _write_manifest(self._step_dir(step))
+    except Exception as e:  # noqa: BLE001 - the disk or file system failed (orbax's kinds)
+      try:
+        self._manager.reload()  # (what is on disk now, not orbax's list of before)
+        newest = self.latest_step()
+      except Exception:  # noqa: BLE001 - the directory itself is gone or unreadable
+        newest = None
+      kept = "no checkpoint is kept" if newest is None else f"the newest kept is step {newest}"
+      raise CheckpointError(
+        f"saving checkpoint step {step} in {self.directory} failed "
+        f"({type(e).__name__}: {first_line(e)}); {kept}"
+      ) from e
     if saved:
-      self._manager.wait_until_finished()
-      if jax.process_index() == 0:
-        _write_manifest(self._step_dir(step))
       self._held = (step, dict(meta))
       self._written.add(step)
       self._skipped.discard(step)

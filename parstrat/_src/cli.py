@@ -1973,6 +1973,18 @@ def _train_one(
             "running": sums, "optimizer_start": optimizer_start,
             **(restored_where if step == resume_step else where)}  # fmt: skip
 
+  def save_checkpoint(epoch: int, batch: int, force: bool = False) -> None:
+    """Saves the state if due (or `force`); a failed write stops the run in one line."""
+    from parstrat._src.checkpoint import CheckpointError
+
+    try:
+      ckpt.save(trainer, state, position(epoch, batch), step=step, force=force)
+    except CheckpointError as e:
+      if e.__cause__ is None:  # (not the write: another run's checkpoints in the way)
+        raise TrainingError(str(e)) from None
+      again = "run the same command again" if args.resume_if_exists else "--resume goes on"
+      raise TrainingError(f"{e}: once the cause is fixed, {again} from there") from None
+
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
   window_steps, window_examples, window_seconds = 0, 0, 0.0
@@ -2072,7 +2084,7 @@ def _train_one(
         if step % args.log_every == 0:
           log(epoch, loss, metrics)
         if ckpt is not None:
-          ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step)
+          save_checkpoint(epoch, batch_in_epoch)
         if not args.no_progress:
           bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         if args.eval_every and step % args.eval_every == 0:
@@ -2090,7 +2102,7 @@ def _train_one(
       if stop.signum is not None and ckpt is not None:
         # Stopped at the epoch's (or the run's) last batch: its eval and summary come
         # first, and the checkpoint before them, so that a second signal loses neither.
-        ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
+        save_checkpoint(epoch, batch_in_epoch, force=True)
       if step == epoch_start_step and epoch == first_epoch and skip_batches:
         # Resumed from a checkpoint of the epoch's last batch, in data of no known
         # length (a function of the epoch): that epoch was done; the next one starts.
@@ -2118,7 +2130,7 @@ def _train_one(
     if window_steps:  # the last steps, fewer than --log-every
       log(epoch, loss, metrics)
     if ckpt is not None:
-      ckpt.save(trainer, state, position(epoch, batch_in_epoch), step=step, force=True)
+      save_checkpoint(epoch, batch_in_epoch, force=True)
   finally:
     stop.close()
     try:
