@@ -794,6 +794,26 @@ def test_a_failed_save_names_its_cause_and_the_newest_kept_and_loses_nothing(
   assert _steps(ckpt / "metrics.jsonl") == list(range(1, 10))
 
 
+def test_a_metrics_file_that_cannot_be_written_stops_the_run_in_one_line(
+  tmp_path, monkeypatch, capsys
+):
+  # A full disk under the metrics file was a traceback from the training loop. /dev/full
+  # fails every write with ENOSPC, as a full disk does.
+  from parstrat._src import history
+
+  real_open = open
+  monkeypatch.setattr(history, "open", lambda _, mode: real_open("/dev/full", mode), raising=False)
+  ckpt = tmp_path / "ck"
+  argv = [*TRAIN, "--steps", "4", "--checkpoint-dir", str(ckpt), "--save-every", "2",
+          "--log-every", "3"]  # fmt: skip
+  assert cli.main(argv) == 1
+  assert _one_line(capsys.readouterr().err) == (
+    f"parstrat train: stopped: cannot write the metrics file {ckpt / 'metrics.jsonl'} (No space "
+    "left on device); the newest checkpoint is step 2: once the cause is fixed, --resume goes "
+    "on from there"
+  )
+
+
 # ------------------------------------------------------------------ donated and foreign states
 
 

@@ -1825,6 +1825,7 @@ def _train_one(
   from parstrat._src import run_data
   from parstrat._src import tensorboard_log
   from parstrat._src.history import History
+  from parstrat._src.history import MetricsWriteError
 
   optimizer, lr_schedule = _optimizer(args, data)
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
@@ -1923,7 +1924,19 @@ def _train_one(
   board = tensorboard_log.ScalarWriter(log_dir, purge) if log_dir is not None else None
 
   def record(row: dict) -> None:
-    history.append(row)
+    try:
+      history.append(row)
+    except MetricsWriteError as e:
+      newest = None if ckpt is None else ckpt.latest_step()
+      kept = (
+        ""
+        if ckpt is None
+        else "; no checkpoint was saved yet"
+        if newest is None
+        else f"; the newest checkpoint is step {newest}: once the cause is fixed, "
+        f"{_resume_again(args)} from there"
+      )
+      raise TrainingError(f"{e}{kept}") from None
     if board is not None:
       board.write(row["step"], row)
 
@@ -1982,8 +1995,9 @@ def _train_one(
     except CheckpointError as e:
       if e.__cause__ is None:  # (not the write: another run's checkpoints in the way)
         raise TrainingError(str(e)) from None
-      again = "run the same command again" if args.resume_if_exists else "--resume goes on"
-      raise TrainingError(f"{e}: once the cause is fixed, {again} from there") from None
+      raise TrainingError(
+        f"{e}: once the cause is fixed, {_resume_again(args)} from there"
+      ) from None
 
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
@@ -2302,6 +2316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   return code
 
 
+def _resume_again(args: argparse.Namespace) -> str:
+  """How the user goes on from a run's newest checkpoint, as the subject of "... from there"."""
+  return "the same command goes on" if args.resume_if_exists else "--resume goes on"
+
+
 def _joined_several() -> bool:
   """True in a process of a multi-process JAX run (without importing JAX)."""
   if "jax" not in sys.modules:
@@ -2312,6 +2331,8 @@ def _joined_several() -> bool:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+  from parstrat._src.history import MetricsWriteError
+
   parser = build_parser()
   try:
     args = parse_args(parser, argv)
@@ -2330,7 +2351,7 @@ def _main(argv: Sequence[str] | None) -> int:
   except UsageError as e:
     print(f"parstrat {args.command}: error: {e}", file=sys.stderr)
     return 2
-  except TrainingError as e:
+  except (TrainingError, MetricsWriteError) as e:  # (the latter closing the metrics file)
     print(f"parstrat {args.command}: stopped: {e}", file=sys.stderr)
     return 1
   except (Interrupted, KeyboardInterrupt) as e:

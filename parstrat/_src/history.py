@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pathlib
@@ -65,6 +66,10 @@ def records_up_to(records: list[dict[str, Any]], step: int) -> list[dict[str, An
   return [r for r in records if r["step"] <= step]  # (read_history: each has one)
 
 
+class MetricsWriteError(OSError):
+  """The metrics file could not be written (a full disk, its file system gone); names it."""
+
+
 class History:
   """The records of one run, appended to a JSONL file as they come.
 
@@ -103,16 +108,41 @@ class History:
     self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
 
   def append(self, record: dict[str, Any]) -> None:
-    """Adds one record (and writes it through to the file)."""
+    """Adds one record (and writes it through to the file).
+
+    Raises:
+      MetricsWriteError: when the file cannot be written, naming it and the cause;
+        the file is then closed (what it holds stays: a line cut short at its end
+        is dropped when it is read back).
+    """
     self.records.append(record)
     if self._file is not None:
-      self._file.write(json_line(record) + "\n")
-      self._file.flush()
+      try:
+        self._file.write(json_line(record) + "\n")
+        self._file.flush()
+      except OSError as e:
+        file, self._file = self._file, None
+        with contextlib.suppress(OSError):  # (the same error again, flushing what failed)
+          file.close()
+        raise self._error(e) from e
 
   def close(self) -> None:
+    """Closes the file.
+
+    Raises:
+      MetricsWriteError: when what was left to write cannot be written.
+    """
     if self._file is not None:
-      self._file.close()
-      self._file = None
+      file, self._file = self._file, None
+      try:
+        file.close()
+      except OSError as e:
+        raise self._error(e) from e
+
+  def _error(self, e: OSError) -> MetricsWriteError:
+    error = MetricsWriteError(f"cannot write the metrics file {self.path} ({e.strerror or e})")
+    error.errno = e.errno
+    return error
 
   def __enter__(self) -> History:
     return self
