@@ -7,7 +7,9 @@ rather than the MLIR fusion emitters (about a third less CPU time for the whole
 suite again, measured on this machine), and to compile each program's LLVM module
 in one piece rather than split into parts for a thread pool (with two workers on
 two cores the splitting costs more than the threads gain: about an eighth less
-CPU time again). Every comparison (strategy
+CPU time again), and to run each operation on its device's own thread rather than
+Eigen's thread pool (8 virtual devices on 2 cores gain nothing from more threads:
+about a twentieth less CPU time again). Every comparison (strategy
 vs single-device jit, memory of one layout vs another) is between programs
 compiled the same way.
 
@@ -39,6 +41,7 @@ os.environ["XLA_FLAGS"] = " ".join(
       ("xla_backend_optimization_level", 0),
       ("xla_cpu_use_fusion_emitters", "false"),
       ("xla_cpu_parallel_codegen_split_count", 1),
+      ("xla_cpu_multi_thread_eigen", "false"),
     )
     if f"--{flag}=" not in _FLAGS
   ]
