@@ -407,6 +407,7 @@ def test_config_keys_are_flags_and_the_command_line_wins(tmp_path, parse):
     ("no-progress = 1", "run.toml: no-progress = 1: expected true or false"),
     # (a value is named as the file writes it: `true`, not Python's True)
     ("batch-size = true", "run.toml: batch-size = true: expected a number or a string"),
+    ("epochs = {a = 1}", "run.toml: epochs = {a = 1}: expected a value, got a table"),
     # (`--progress` undoes a file's no-progress; as a key, `false` would do nothing)
     ("progress = false", "run.toml: unknown key 'progress'; did you mean 'no-progress'?"),
     # (nor a `--no-` form: `no-resume = false` would do nothing; the file writes resume = false)

@@ -156,12 +156,21 @@ def config_to_argv(
 
 
 def toml_value(value: Any) -> str:
-  """`value` written as TOML (a string quoted, a bool as true/false)."""
+  """`value` written as TOML (a string quoted, a bool as true/false, a table inline).
+
+  Example:
+    >>> toml_value({"hosts": 4, "fast": True, "name": "x", "sizes": [1, 2]})
+    '{hosts = 4, fast = true, name = "x", sizes = [1, 2]}'
+  """
   import json
 
   if isinstance(value, bool):
     return "true" if value else "false"
-  return json.dumps(value) if isinstance(value, (str, list)) else str(value)
+  if isinstance(value, dict):
+    return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+  if isinstance(value, list):
+    return "[" + ", ".join(map(toml_value, value)) + "]"
+  return json.dumps(value) if isinstance(value, str) else str(value)
 
 
 def _import_file(path: pathlib.Path):
