@@ -1206,11 +1206,17 @@ def test_a_config_files_strategy_options_give_way_to_another_strategy(
   # The README's run.toml (hybrid, stages = 2) with `--strategy fsdp` failed: "Strategy
   # 'fsdp' has no option 'stages'". The file's options that fsdp lacks are now named and
   # left out; the same option given on the command line is still refused by name.
-  (tmp_path / "run.toml").write_text('strategy = "hybrid"\ndata-parallel = 2\nstages = 2\n')
+  (tmp_path / "run.toml").write_text(
+    'strategy = "hybrid"\ndata-parallel = 2\nstages = 2\nmemory-budget = 1000000\n'
+  )
   run = ["--config", "run.toml", "--model-fn", "mymodel:model", "--dataset", "mymodel:data"]
   assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--devices", "4") == 0
   out = capsys.readouterr().out
-  assert "run.toml: not used by fsdp (it takes no such option): stages = 2" in out
+  # (each as the file writes it: the budget is a number there, text to argparse)
+  assert (
+    "run.toml: not used by fsdp (it takes no such option): stages = 2, memory-budget = 1000000"
+    in out
+  )
   assert "mesh: {'data': 2}" in out  # data-parallel = 2 from the file: fsdp takes it
   assert _user_run(tmp_path, monkeypatch, *run, "--strategy", "fsdp", "--stages", "2") == 2
   assert "--stages 2: fsdp has no option 'stages' (it takes --devices, " in (

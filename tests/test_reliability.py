@@ -767,10 +767,25 @@ def test_a_failed_save_names_its_cause_and_the_newest_kept_and_loses_nothing(
   assert str(raised.value).startswith(f"saving checkpoint step 2 in {directory} failed (")
   assert str(raised.value).endswith("); no checkpoint is kept")  # (step 1 went with it)
   assert isinstance(raised.value.__cause__, OSError)
+  # The disk filled after orbax's save, before the manifest: that step is complete, and said
+  # to be unverified (it said "the newest kept is step 2" of the step that "failed").
+  from parstrat._src import checkpoint
+
+  def no_space(folder):
+    raise OSError(28, "No space left on device")
+
+  with Checkpointer(tmp_path / "half") as ckpt, monkeypatch.context() as patch:
+    patch.setattr(checkpoint, "_write_manifest", no_space)
+    with pytest.raises(CheckpointError, match=re.escape(
+        "(OSError: [Errno 28] No space left on device); the newest kept is step 2 (written, "
+        "but not its manifest: it restores unverified)")):  # fmt: skip
+      ckpt.save(trainer, _fresh(trainer), {}, step=2, force=True)
 
   # The command line: one line naming the step, the cause and the newest kept; a resume
   # goes on from there, and the metrics hold every step once.
   import orbax.checkpoint as ocp
+
+  from parstrat._src import tensorboard_log
 
   real_save = ocp.CheckpointManager.save
 
@@ -781,8 +796,13 @@ def test_a_failed_save_names_its_cause_and_the_newest_kept_and_loses_nothing(
 
   ckpt = tmp_path / "ck"
   flags = [*TRAIN, "--checkpoint-dir", str(ckpt), "--save-every", "3", "--steps", "9"]
+
+  def events_cannot_close(self):  # (a full disk: the TensorBoard events file, in --checkpoint-dir
+    raise OSError(28, "No space left on device")  # without --out, cannot flush either)
+
   with monkeypatch.context() as patch:
     patch.setattr(ocp.CheckpointManager, "save", full_disk_at_6)
+    patch.setattr(tensorboard_log.ScalarWriter, "close", events_cannot_close)
     assert cli.main(flags) == 1
   assert _one_line(capsys.readouterr().err) == (
     f"parstrat train: stopped: saving checkpoint step 6 in {ckpt} failed (OSError: [Errno 28] "

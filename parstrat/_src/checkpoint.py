@@ -312,10 +312,15 @@ class Checkpointer:
         newest = self.latest_step()
       except Exception:  # noqa: BLE001 - the directory itself is gone or unreadable
         newest = None
-      kept = "no checkpoint is kept" if newest is None else f"the newest kept is step {newest}"
-      raise CheckpointError(
+      kept = (
+        "no checkpoint is kept"
+        if newest is None
+        else f"the newest kept is step {newest}"
+        + (" (written, but not its manifest: it restores unverified)" * (newest == step))
+      )
+      raise CheckpointError(  # (the cause's whole line: tensorstore puts the OS error last)
         f"saving checkpoint step {step} in {self.directory} failed "
-        f"({type(e).__name__}: {first_line(e)}); {kept}"
+        f"({type(e).__name__}: {first_line(e, limit=1000)}); {kept}"
       ) from e
     if saved:
       self._held = (step, dict(meta))

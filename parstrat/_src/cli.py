@@ -606,16 +606,25 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   if getattr(args, "config", None) is None:
     return args
   try:
-    tokens = config.config_to_argv(
-      config.load_toml(args.config), _train_parser(parser), args.config
-    )
+    table = config.load_toml(args.config)
+    tokens = config.config_to_argv(table, _train_parser(parser), args.config)
   except config.ConfigError as e:
     raise UsageError(str(e)) from None
   at = argv.index("train") + 1
   merged = parser.parse_args([*argv[:at], *tokens, *argv[at:]])
   # What only the file set: a strategy named on the command line may not take it.
   merged.from_config = {k for k, v in vars(merged).items() if getattr(args, k, None) != v}
+  # Each key's value as the file writes it, for messages (argparse may hold a number as text).
+  merged.config_written = {k.replace("-", "_"): config.toml_value(v) for k, v in table.items()}
   return merged
+
+
+def _as_written(args: argparse.Namespace, flag: str, value: Any) -> str:
+  """The value of `flag` ("data-parallel") as the --config file writes it."""
+  from parstrat._src import config
+
+  written = getattr(args, "config_written", {}).get(flag.replace("-", "_"))
+  return config.toml_value(value) if written is None else written
 
 
 def _check_not_empty(args: argparse.Namespace, key: str) -> None:
@@ -636,10 +645,9 @@ def _check_not_empty(args: argparse.Namespace, key: str) -> None:
 def _bad_option(args: argparse.Namespace, key: str, message: str) -> UsageError:
   """The error for a bad value of option `key`, naming the config file where it was set."""
   if key in getattr(args, "from_config", ()):
-    from parstrat._src import config
-
-    written = config.toml_value(getattr(args, key))  # (as the file writes it)
-    return UsageError(f"{args.config}: {key.replace('_', '-')} = {written}: {message}")
+    flag = key.replace("_", "-")
+    return UsageError(f"{args.config}: {flag} = {_as_written(args, flag, getattr(args, key))}: "
+                      f"{message}")  # fmt: skip
   return UsageError(message)
 
 
@@ -700,9 +708,7 @@ def _strategy_config(
       return f"--strategy-option {key}={_strategy_options(args)[key]}"
     flag, value = flags.get(key, key.replace("_", "-")), config[key]
     if key in from_config:
-      from parstrat._src.config import toml_value
-
-      return f"{flag} = {toml_value(value)}"
+      return f"{flag} = {_as_written(args, flag, value)}"
     if isinstance(value, bool):
       return f"--{'' if value else 'no-'}{flag}"
     return f"--{flag} {value}"
@@ -1926,7 +1932,14 @@ def _train_one(
   def record(row: dict) -> None:
     try:
       history.append(row)
-    except MetricsWriteError as e:
+      if board is not None:
+        board.write(row["step"], row)
+    except OSError as e:  # (a MetricsWriteError, or the events file's)
+      what = (
+        str(e)
+        if isinstance(e, MetricsWriteError)
+        else f"cannot write the TensorBoard events in {log_dir} ({e.strerror or e})"
+      )
       newest = None if ckpt is None else ckpt.latest_step()
       kept = (
         ""
@@ -1936,9 +1949,7 @@ def _train_one(
         else f"; the newest checkpoint is step {newest}: once the cause is fixed, "
         f"{_resume_again(args)} from there"
       )
-      raise TrainingError(f"{e}{kept}") from None
-    if board is not None:
-      board.write(row["step"], row)
+      raise TrainingError(f"{what}{kept}") from None
 
   unusable_eval: list[int] = []
 
@@ -2035,6 +2046,7 @@ def _train_one(
   batch_in_epoch = skip_batches
   stopped_early = False  # by a signal, before the run's end: exit 128 + the signal
   stop = _StopRequests(say).install()
+  failed = False  # (then what closing fails to write is not said over why the run stopped)
   try:
     for epoch in range(first_epoch, args.epochs):
       if args.steps is not None and step >= args.steps:
@@ -2145,15 +2157,19 @@ def _train_one(
       log(epoch, loss, metrics)
     if ckpt is not None:
       save_checkpoint(epoch, batch_in_epoch, force=True)
+  except BaseException:
+    failed = True
+    raise
   finally:
     stop.close()
     try:
-      history.close()  # may raise (a full disk), the checkpointer closes anyway
+      with contextlib.suppress(OSError) if failed else contextlib.nullcontext():
+        history.close()  # may raise (a full disk), the checkpointer closes anyway
     finally:
       if ckpt is not None:
         ckpt.close()
       if board is not None:
-        board.close()
+        _close_board(board, log_dir, quiet=failed)
   if stopped_early:
     import signal
 
@@ -2314,6 +2330,19 @@ def main(argv: Sequence[str] | None = None) -> int:
       time.sleep(LEADER_GRACE_S)
     os._exit(code)
   return code
+
+
+def _close_board(board, log_dir, quiet: bool) -> None:
+  """Closes the TensorBoard writer; what it cannot write (a full disk) is one line, or
+  nothing when the run already stops on an error (`quiet`) that it would hide."""
+  try:
+    board.close()
+  except OSError as e:
+    if not quiet:
+      raise TrainingError(
+        f"cannot write the TensorBoard events in {log_dir} ({e.strerror or e})"
+      ) from None
+    # (else the error the run stops on is the one to say)
 
 
 def _resume_again(args: argparse.Namespace) -> str:
