@@ -436,7 +436,7 @@ def test_candidates_refused_only_by_a_one_row_sample_are_said_with_what_to_pass(
   only = dataclasses.replace(auto, candidates=("data_parallel",))
   with pytest.raises(ValueError, match=r"^No candidate strategy can run this model: no "
                      r"candidate could be built \(the first, data_parallel \[data=2\]: cannot run: "
-                     r"ValueError: The batch size of .*; " + hint + r"\.\n"):  # fmt: skip
+                     r"BatchSizeError: The batch size of .*; " + hint + r"\.\n"):  # fmt: skip
     only.choose(model, optax.sgd(0.1), np.zeros((1, 12), np.float32))
   with warnings.catch_warnings():  # measured at a batch given as such: nothing to say
     warnings.simplefilter("error")

@@ -207,6 +207,8 @@ class Candidate:
     problem: why the candidate cannot run (empty when it can).
     per_device_state: whether the model keeps state (BatchNorm) that this
       candidate updates per device from its own rows, then averages.
+    batch_refused: whether it could not run only because its layout cannot
+      split the batch measured (a `BatchSizeError`).
   """
 
   name: str
@@ -221,6 +223,7 @@ class Candidate:
   time_s: float = math.inf
   problem: str = ""
   per_device_state: bool = False
+  batch_refused: bool = False
 
   @property
   def label(self) -> str:
@@ -551,7 +554,7 @@ class Auto(Strategy):
 
   def _small_batch_hint(self, measured, sample_inputs: Any, sample_batch: Any) -> str:
     """What to pass when candidates failed only for the samples' batch size, or ""."""
-    split = [c for c in measured if c.problem and messages.BATCH_SIZE_PHRASE in c.problem]
+    split = [c for c in measured if c.batch_refused]
     if self.batch_size is not None or sample_batch is not None or not split:
       return ""  # (measured at a batch given as such: its refusals are the real batch's)
     batch = self._measuring_batch(sample_inputs, sample_batch)
@@ -667,7 +670,9 @@ class Auto(Strategy):
             first = str(e).splitlines()[0] if str(e) else ""
             measured.append(
               dataclasses.replace(
-                candidate, problem=f"cannot run: {type(e).__name__}: {first}".rstrip(": ")
+                candidate,
+                problem=f"cannot run: {type(e).__name__}: {first}".rstrip(": "),
+                batch_refused=isinstance(e, messages.BatchSizeError),
               )
             )
             continue

@@ -131,8 +131,8 @@ def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
   return (below or None), below + multiple
 
 
-#: The words every batch-size error holds (`batch_size_message`), for those who sort errors.
-BATCH_SIZE_PHRASE = "must be a positive multiple of"
+class BatchSizeError(ValueError):
+  """A batch the strategy's layout cannot split (`batch_size_message` says how it could)."""
 
 
 def batch_size_message(
@@ -170,7 +170,7 @@ def batch_size_message(
   nearest = f"{below} and {above}" if below else f"{above}"
   plural = "s are" if below else " is"
   return (
-    f"The batch size of {what} {BATCH_SIZE_PHRASE} {multiple}"
+    f"The batch size of {what} must be a positive multiple of {multiple}"
     + (f" ({detail})" if detail else "")
     + f", got {batch}; the nearest valid size{plural} {nearest}."
   )

@@ -1263,7 +1263,7 @@ class Trainer:
     split = self._batch_split()
     multiple = split * self.plan.batch_multiple * accumulate
     if batch < 1 or batch % multiple:
-      raise ValueError(
+      raise messages.BatchSizeError(
         messages.batch_size_message(
           what,
           batch,
