@@ -430,9 +430,12 @@ def test_candidates_refused_only_by_a_one_row_sample_are_said_with_what_to_pass(
     r"1 candidate\(s\) could not split the 1 row\(s\) of the samples given to init, which are "
     r"the batch measured: pass Auto\(batch_size=...\) or init\(..., sample_batch=<a whole batch>\)"
   )
-  with pytest.warns(UserWarning, match=r"chose tensor \[model=2\].*; " + hint):
+  with pytest.warns(UserWarning, match=r"chose tensor \[model=2\].*; " + hint) as warned:
     choice = auto.choose(model, optax.sgd(0.1), np.zeros((1, 12), np.float32))
   assert re.search(hint, choice.reason)
+  with pytest.warns(UserWarning, match=hint) as warned:  # (through init: deeper in parstrat)
+    auto(model, optax.sgd(0.1)).init(jax.random.key(0), np.zeros((1, 12), np.float32))
+  assert [w.filename for w in warned] == [__file__]  # (the user's line, not parstrat's)
   only = dataclasses.replace(auto, candidates=("data_parallel",))
   with pytest.raises(ValueError, match=r"^No candidate strategy can run this model: no "
                      r"candidate could be built \(the first, data_parallel \[data=2\]: cannot run: "

@@ -539,7 +539,9 @@ class Auto(Strategy):
       head, _, table = str(e).partition("\n")
       raise ValueError(f"{head[:-1]}; {hint}.\n{table}") from None
     if hint:
-      warnings.warn(f"{choice.reason}; {hint}", UserWarning, stacklevel=2)
+      warnings.warn(
+        f"{choice.reason}; {hint}", UserWarning, stacklevel=messages.stacklevel_outside()
+      )
       choice = dataclasses.replace(choice, reason=f"{choice.reason}; {hint}")
     return choice
 

@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from parstrat._src import files
 from parstrat._src import trees
 from parstrat._src.messages import first_line
+from parstrat._src.messages import stacklevel_outside
 from parstrat._src.strategy import Trainer
 from parstrat._src.strategy import TrainState
 
@@ -289,7 +290,7 @@ class Checkpointer:
         f"checkpoint(s) at step(s) {', '.join(map(str, abandoned))} in {self.directory}, "
         "of the run that went on from there",
         CheckpointWarning,
-        stacklevel=2,
+        stacklevel=stacklevel_outside(),
       )
     for old in [*damaged, *later]:  # (later: this run's beyond, or `step` written again)
       self._manager.delete(old)
@@ -451,7 +452,7 @@ class Checkpointer:
               "parstrat, or a save interrupted before it); restored it unverified"
             )
           for note in notes:
-            warnings.warn(note, CheckpointWarning, stacklevel=2)
+            warnings.warn(note, CheckpointWarning, stacklevel=stacklevel_outside())
           read = restored["state"]  # (without "opt_state" under fresh_optimizer)
           exported = dict(_with_empty(read, {k: abstract[k] for k in read}))
           if fresh_optimizer:

@@ -118,6 +118,27 @@ def raised_at(error: BaseException) -> str:
   return ""
 
 
+def stacklevel_outside() -> int:
+  """The `stacklevel` for `warnings.warn` that names the caller's first frame outside parstrat.
+
+  Called in the function that warns: a warning raised deep in parstrat (`Auto.resolve`
+  under `trainer.init`) then points at the user's line that called into parstrat, not
+  at parstrat's own code.
+
+  Example:
+    >>> stacklevel_outside()  # (called outside parstrat: the caller's own line)
+    1
+  """
+  import os
+  import sys
+
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+  frame, level = sys._getframe(1), 1  # (the function that warns: level 1)
+  while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
 def nearest_multiples(value: int, multiple: int) -> tuple[int | None, int]:
   """The multiples of `multiple` just below (None if there is none) and just above `value`.
 
