@@ -636,10 +636,11 @@ def _check_not_empty(args: argparse.Namespace, key: str) -> None:
   value = getattr(args, key)
   if value is not None and not str(value).strip():
     flag = "--" + key.replace("_", "-")
-    raise _bad_option(
-      args, key, f"{flag} is an empty path ({value!r}: an unset variable?); give one, or leave "
-      "the flag out"
-    )  # fmt: skip
+    if key in getattr(args, "from_config", ()):  # (the file's line names the value)
+      raise _bad_option(args, key, f"{flag} is an empty path; give one, or leave the key out")
+    raise UsageError(
+      f"{flag} is an empty path ({value!r}: an unset variable?); give one, or leave the flag out"
+    )
 
 
 def _bad_option(args: argparse.Namespace, key: str, message: str) -> UsageError:
