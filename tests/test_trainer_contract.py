@@ -15,6 +15,7 @@ from jax import lax
 import parstrat
 import parstrat.testing
 from parstrat import softmax_cross_entropy
+from parstrat._src.messages import BatchSizeError
 from parstrat.checkpoint import Checkpointer
 
 VOCAB, LENGTH, CLASSES, ROWS = 16, 4, 10, 16
@@ -536,10 +537,12 @@ def test_apply_does_not_need_a_multiple_of_accumulate():
   state = trainer.init(jax.random.key(0), np.zeros((1, 8), np.float32))
   outputs = trainer.apply(state, np.ones((2, 8), np.float32))
   assert outputs["logits"].shape == (2, CLASSES) and outputs["score"].shape == (2,)
-  with pytest.raises(ValueError, match=r"batch size of the batch must be a positive multiple of 8"):
+  with pytest.raises(
+    BatchSizeError, match=r"batch size of the batch must be a positive multiple of 8"
+  ):
     trainer.step(state, (np.ones((2, 8), np.float32), np.zeros((2,), np.int32)))
   # Rows the layout cannot split: what to do instead is said, and it works.
-  with pytest.raises(ValueError, match=r"multiple of 2 \(2 devices along P\('data',\)\), got 3;"
+  with pytest.raises(BatchSizeError, match=r"multiple of 2 \(2 devices along P\('data',\)\), got 3;"
                      r".* Pad the inputs, or run the model on one device without the layout: "
                      r"model.apply\(trainer.params\(state\), ...\)"):  # fmt: skip
     trainer.apply(state, np.ones((3, 8), np.float32))

@@ -1559,10 +1559,10 @@ class Trainer:
     rows = _batch_size("inputs", inputs)
     try:
       self._check_batch_size(rows, "inputs", accumulate=1)
-    except ValueError as e:
+    except messages.BatchSizeError as e:
       if rows < 1:
         raise
-      raise ValueError(
+      raise messages.BatchSizeError(
         f"{e} Pad the inputs, or run the model on one device without the layout: "
         "model.apply(trainer.params(state), ...)."
       ) from None
