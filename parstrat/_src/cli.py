@@ -1936,19 +1936,14 @@ def _train_one(
       if board is not None:
         board.write(row["step"], row)
     except OSError as e:  # (a MetricsWriteError, or the events file's)
-      what = (
-        str(e)
-        if isinstance(e, MetricsWriteError)
-        else f"cannot write the TensorBoard events in {log_dir} ({e.strerror or e})"
-      )
+      what = str(e) if isinstance(e, MetricsWriteError) else _events_unwritable(log_dir, e)
       newest = None if ckpt is None else ckpt.latest_step()
       kept = (
         ""
         if ckpt is None
         else "; no checkpoint was saved yet"
         if newest is None
-        else f"; the newest checkpoint is step {newest}: once the cause is fixed, "
-        f"{_resume_again(args)} from there"
+        else f"; the newest checkpoint is step {newest}: {_after_the_fix(args)}"
       )
       raise TrainingError(f"{what}{kept}") from None
 
@@ -2007,9 +2002,7 @@ def _train_one(
     except CheckpointError as e:
       if e.__cause__ is None:  # (not the write: another run's checkpoints in the way)
         raise TrainingError(str(e)) from None
-      raise TrainingError(
-        f"{e}: once the cause is fixed, {_resume_again(args)} from there"
-      ) from None
+      raise TrainingError(f"{e}: {_after_the_fix(args)}") from None
 
   # Since the last logged row: its steps, rows and seconds (this session's only: a
   # rate needs both), and its finite losses in running["window_loss"].
@@ -2340,15 +2333,18 @@ def _close_board(board, log_dir, quiet: bool) -> None:
     board.close()
   except OSError as e:
     if not quiet:
-      raise TrainingError(
-        f"cannot write the TensorBoard events in {log_dir} ({e.strerror or e})"
-      ) from None
+      raise TrainingError(_events_unwritable(log_dir, e)) from None
     # (else the error the run stops on is the one to say)
 
 
-def _resume_again(args: argparse.Namespace) -> str:
-  """How the user goes on from a run's newest checkpoint, as the subject of "... from there"."""
-  return "the same command goes on" if args.resume_if_exists else "--resume goes on"
+def _events_unwritable(log_dir, error: OSError) -> str:
+  return f"cannot write the TensorBoard events in {log_dir} ({error.strerror or error})"
+
+
+def _after_the_fix(args: argparse.Namespace) -> str:
+  """How a run stopped by a write that failed goes on from its newest checkpoint."""
+  again = "the same command goes on" if args.resume_if_exists else "--resume goes on"
+  return f"once the cause is fixed, {again} from there"
 
 
 def _joined_several() -> bool:
