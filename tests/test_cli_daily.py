@@ -710,10 +710,34 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
       (["--strategy-option", "hosts=two"], "hosts is int; give a number"),
       (  # (each strategy of --compare takes those it has; one that none has is a typo)
         ["--compare", "my_data_parallel,fsdp", "--strategy-option", "hots=2"],
-        "--strategy-option hots: none of my_data_parallel, fsdp takes it",
+        "--strategy-option hots=2: none of my_data_parallel, fsdp takes it",
       ),
     ):
       assert _user_run(tmp_path, monkeypatch, *mine, *how) == 2
+      assert message in capsys.readouterr().err
+    # The same mistakes in the config file's table are named as the file writes them (they
+    # were named as flags nobody typed); a key the command line gives again is its own.
+    for table, how, message in (
+      (
+        "host = 2",
+        [],
+        "[strategy-option] host = 2: my_data_parallel has no option 'host'; did you mean 'hosts'?",
+      ),  # fmt: skip
+      ("overlap = 'maybe'", [], '[strategy-option] overlap = "maybe": overlap is a bool'),
+      (
+        "hosts = 2\ndevices = [0, 1]",
+        [],
+        "[strategy-option] devices = [0, 1]: the devices come from --devices",
+      ),  # fmt: skip
+      (
+        "hots = 2",
+        ["--compare", "my_data_parallel,fsdp"],
+        "[strategy-option] hots = 2: none of my_data_parallel, fsdp takes it",
+      ),  # fmt: skip
+      ("host = 3", ["--strategy-option", "host=2"], "--strategy-option host=2: my_data_"),
+    ):
+      (tmp_path / "bad.toml").write_text(f"[strategy-option]\n{table}\n")
+      assert _user_run(tmp_path, monkeypatch, *mine, "--config", "bad.toml", *how) == 2
       assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):
       _user_run(tmp_path, monkeypatch, "--strategy-option", "hosts")

@@ -616,6 +616,14 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   merged.from_config = {k for k, v in vars(merged).items() if getattr(args, k, None) != v}
   # Each key's value as the file writes it, for messages (argparse may hold a number as text).
   merged.config_written = {k.replace("-", "_"): config.toml_value(v) for k, v in table.items()}
+  # Likewise the [strategy-option] keys only the file set (the command line's win).
+  typed = dict(args.strategy_options or ())
+  options = table.get("strategy-option", table.get("strategy_option"))
+  merged.options_written = {  # (a table; `strategy-option = ["hosts=2"]` is flags' text)
+    k: config.toml_value(v)
+    for k, v in (options.items() if isinstance(options, dict) else ())
+    if k not in typed
+  }
   return merged
 
 
@@ -625,6 +633,15 @@ def _as_written(args: argparse.Namespace, flag: str, value: Any) -> str:
 
   written = getattr(args, "config_written", {}).get(flag.replace("-", "_"))
   return config.toml_value(value) if written is None else written
+
+
+def _option_as_given(args: argparse.Namespace, key: str) -> str:
+  """A strategy option as given: `[strategy-option] hosts = 2` when only the --config
+  file set it, as the file writes it; else `--strategy-option hosts=2`."""
+  written = getattr(args, "options_written", {}).get(key)
+  if written is not None:
+    return f"[strategy-option] {key} = {written}"
+  return f"--strategy-option {key}={_strategy_options(args)[key]}"
 
 
 def _check_not_empty(args: argparse.Namespace, key: str) -> None:
@@ -692,21 +709,21 @@ def _strategy_config(
   for key, text in _strategy_options(args).items():  # (the command line's, after the file's)
     if key == "devices":
       raise UsageError(
-        f"--strategy-option devices={text}: the devices come from --devices; give that instead"
+        f"{_option_as_given(args, key)}: the devices come from --devices; give that instead"
       )
     if key in config:
       raise UsageError(
-        f"--strategy-option {key}={text}: {key} is already set by "
+        f"{_option_as_given(args, key)}: {key} is already set by "
         f"--{flags.get(key, key.replace('_', '-'))}; give it once"
       )
-    config[key] = _option_value(cls, key, text)
+    config[key] = _option_value(cls, key, text, _option_as_given(args, key))
     flags[key] = f"strategy-option {key}"
 
   def as_typed(key: str) -> str:
     """A strategy option as given: "stages = 2" from the --config file, "--stages 2" or
     "--no-unroll" from the command line."""
     if flags.get(key, "").startswith("strategy-option"):
-      return f"--strategy-option {key}={_strategy_options(args)[key]}"
+      return _option_as_given(args, key)
     flag, value = flags.get(key, key.replace("_", "-")), config[key]
     if key in from_config:
       return f"{flag} = {_as_written(args, flag, value)}"
@@ -751,7 +768,7 @@ def _strategy_options(args: argparse.Namespace) -> dict[str, str]:
   return dict(args.strategy_options or ())
 
 
-def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
+def _option_value(cls: type, key: str, text: str, where: str | None = None) -> Any:  # noqa: PLR0911
   """A `--strategy-option` VALUE read by the type of `cls`'s field `key`.
 
   bool fields take true/false (also 1/0, yes/no, on/off), int and float
@@ -759,6 +776,13 @@ def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
   `Literal` one of its values, an optional field also `none`; other fields
   (or one whose annotation cannot be evaluated, `_option_type`) a TOML value
   (`[1, 2]`, `"text"`), or a bare word as text.
+
+  Args:
+    cls: the strategy class.
+    key: the field.
+    text: the VALUE.
+    where: the option as given, for errors (`_option_as_given`; by default
+      `--strategy-option KEY=VALUE`).
 
   Raises:
     UsageError: for an empty value or one the field's type cannot take,
@@ -768,7 +792,7 @@ def _option_value(cls: type, key: str, text: str) -> Any:  # noqa: PLR0911
   import types
   import typing
 
-  where = f"--strategy-option {key}={text}"
+  where = where or f"--strategy-option {key}={text}"
   if not text.strip():
     raise UsageError(f"{where}: give a value after '='")
   hint = _option_type(cls, key)
@@ -1563,7 +1587,8 @@ def train(args: argparse.Namespace) -> dict:
       raise UsageError(str(e)) from None
   untaken = [k for k in _strategy_options(args) if k not in taken]
   if untaken and not any(s.deferred for s in strategies.values()):  # ("auto" named them)
-    raise UsageError(f"--strategy-option {', '.join(untaken)}: none of {', '.join(names)} takes it")
+    given = ", ".join(_option_as_given(args, k) for k in untaken)
+    raise UsageError(f"{given}: none of {', '.join(names)} takes it")
   # The names checked before any data loads: a typo costs nothing.
   from parstrat._src import optimizers
   from parstrat._src import precision
