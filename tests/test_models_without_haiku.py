@@ -80,3 +80,111 @@ def test_a_model_without_haiku_is_cut_and_split_by_its_layers_and_trains_like_ji
   else:  # the stage table names each layer by its path
     for i in range(3):
       assert f"params/Dense_{i}" in trainer.plan.description
+
+
+def _apply_refusing_no_key(variables, rng, x):
+  if rng is None:  # as Flax's `module.apply(v, x, rngs={"dropout": rng})` does
+    raise ValueError("The `rngs` argument passed to an apply function should be a PRNGKey.")
+  return _apply(variables, rng, x)
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [parstrat.DataParallel(data=2), parstrat.FSDP(data=2), parstrat.TensorParallel(model=2)],
+  ids=["data_parallel", "fsdp", "tensor"],
+)
+def test_a_model_that_reads_no_key_still_gets_one(strategy):
+  # A Flax module behind the adapter `apply=lambda v, rng, x: module.apply(v, x,
+  # rngs={"dropout": rng})`, with no dropout (or at rate 0, or deterministic): the
+  # key reaches no equation, so the trainer passed None, and Flax raised at the first
+  # step. Such a model is still not a dropout model (`uses_rng` is False).
+  model = types.SimpleNamespace(init=_init, apply=_apply_refusing_no_key)
+  parstrat.testing.check_strategy(
+    strategy, model, {"optimizer": optax.sgd(0.1)}, steps=2, batch=8, features=FEATURES
+  )
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  assert not trainer.uses_rng
+  assert trainer.apply(state, np.ones((4, FEATURES), np.float32)).shape == (4, 10)
+
+
+def _apply_with_bias_reshaped(variables, rng, x):
+  del rng
+  for i in range(len(WIDTHS) - 1):
+    dense = variables["params"][f"Dense_{i}"]
+    # As Flax's nn.Dense (and nnx.Linear) add it: reshaped to [1, N], broadcast by `add`.
+    x = x @ dense["kernel"] + jnp.reshape(dense["bias"], (1,) * (x.ndim - 1) + (-1,))
+    x = jax.nn.gelu(x) if i < len(WIDTHS) - 2 else x
+  return x
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [parstrat.TensorParallel(model=2), parstrat.Hybrid(data=2, stages=2, model=2)],
+  ids=["tensor", "hybrid 2x2x2"],
+)
+def test_a_bias_reshaped_to_one_row_is_split_with_its_layer(strategy):
+  # Flax's Dense adds its bias as `y + reshape(b, (1, N))`: the analysis knew a bias
+  # only broadcast from 1-D, called this one "a parameter that is not a bias", and
+  # split nothing ("0 split group(s)"), silently, for every Flax model.
+  model = types.SimpleNamespace(init=_init, apply=_apply_with_bias_reshaped)
+  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+    parstrat.testing.check_strategy(
+      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
+    )
+  sample = np.zeros((1, FEATURES), np.float32)
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), sample)
+  if isinstance(strategy, parstrat.TensorParallel):
+    specs = jax.tree.map(lambda x: x.sharding.spec, state.params)["params"]
+    assert specs["Dense_0"] == {"kernel": P(None, "model"), "bias": P("model")}
+    assert specs["Dense_1"]["kernel"] == P("model", None)
+  # The same split as the model that adds its bias from 1-D.
+  plain = strategy(FLAX_STYLE, optax.sgd(0.1))
+  plain.init(jax.random.key(0), sample)
+  assert "1 split group(s)" in trainer.plan.description
+  assert trainer.plan.description == plain.plan.description
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Variable:
+  """Holds one array, flattened by the key path `.value`, as Flax nnx's `Variable` is."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def tree_flatten_with_keys(self):
+    return ((jax.tree_util.GetAttrKey("value"), self.value),), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    return cls(*children)
+
+
+def _init_variables(rng, inputs):
+  params = _init(rng, inputs)["params"]
+  return {name: {k: _Variable(v) for k, v in layer.items()} for name, layer in params.items()}
+
+
+def _apply_variables(variables, rng, x):
+  params = {name: {k: v.value for k, v in layer.items()} for name, layer in variables.items()}
+  return _apply({"params": params}, rng, x)
+
+
+def test_arrays_held_by_variables_are_cut_by_their_layers():
+  # An nnx.State flattens each parameter to a path ending in `.value`: the pipeline took
+  # each Variable for a layer of its own and cut between a layer's matmul and its bias
+  # add (4 stages of a 2-layer net were accepted, one kernel or bias per stage).
+  model = types.SimpleNamespace(init=_init_variables, apply=_apply_variables)
+  strategy = parstrat.PipelineModelParallel(stages=3, microbatches=4)
+  parstrat.testing.check_strategy(
+    strategy, model, {"optimizer": optax.sgd(0.1)}, steps=2, batch=8, features=FEATURES
+  )
+  trainer = strategy(model, optax.sgd(0.1))
+  sample = np.zeros((1, FEATURES), np.float32)
+  trainer.init(jax.random.key(0), sample)
+  for i in range(3):
+    assert f"  Dense_{i}\n" in trainer.plan.description + "\n", trainer.plan.description
+  with pytest.raises(ValueError, match="exceeds the model's 3 layers"):
+    parstrat.PipelineModelParallel(stages=4)(model, optax.sgd(0.1)).init(jax.random.key(0), sample)

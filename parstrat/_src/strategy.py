@@ -1201,7 +1201,9 @@ class Trainer:
     inputs_of, targets_of = self._inputs_of, self._targets_of
 
     def train_step(state: TrainState, batch):
-      key = self._key(state.rng, state.step) if uses_rng else None
+      # (a model that reads no key still gets one: an adapter such as Flax's
+      # `apply(v, x, rngs={'dropout': rng})` refuses None, and the key is unused)
+      key = self._key(state.rng, state.step if uses_rng else None)
       args = (state.params, state.model_state, key, inputs_of(batch), targets_of(batch))
       if norm_inside:
         loss, grads, model_state, grad_norm = grad_fn(*args)
@@ -1566,7 +1568,7 @@ class Trainer:
         f"{e} Pad the inputs, or run the model on one device without the layout: "
         "model.apply(trainer.params(state), ...)."
       ) from None
-    key = None
+    key = self._key(state.rng, None)  # (unread: see train_step)
     if self.uses_rng:
       if rng is None:
         raise ValueError(

@@ -559,6 +559,15 @@ def analyse(
       continue
     if op.prim == "broadcast_in_dim" and viewed and len(leaves[viewed[0]].shape) == 1:
       bias_dim[op.outs[0]] = (viewed[0], op.params["broadcast_dimensions"][0])
+    elif op.prim == "broadcast_in_dim" and len(op.ins) == 1 and op.ins[0] in bias_dim:
+      leaf, axis = bias_dim[op.ins[0]]  # (of a reshaped bias, below)
+      bias_dim[op.outs[0]] = (leaf, op.params["broadcast_dimensions"][axis])
+    elif op.prim == "reshape" and viewed and len(leaves[viewed[0]].shape) == 1:
+      # A bias reshaped to [1, ..., N] for `x + b` to broadcast it (Flax's Dense, nnx's
+      # Linear): the leaf's features are the one axis longer than 1.
+      longer = [k for k, size in enumerate(op.outs[0].aval.shape) if size != 1]
+      if len(longer) == 1:
+        bias_dim[op.outs[0]] = (viewed[0], longer[0])
     for i in viewed:
       uses[i].append(op)
 

@@ -113,7 +113,9 @@ def layer_and_name(path: Sequence[Any]) -> tuple[str, str]:
 
   Haiku's `{module: {name: array}}` gives `(module, name)`; a deeper tree (a
   Flax-style `{"params": {"Dense_0": {"kernel": ...}}}`) its parent path
-  joined by "/"; a leaf at the top `(its key, "")`.
+  joined by "/"; a leaf at the top `(its key, "")`. A path that ends in the
+  attribute `.value` (an object holding the array, as Flax nnx's `Variable`
+  does in an `nnx.State`) is the path of that object.
 
   Example:
     >>> import jax, numpy as np
@@ -121,6 +123,8 @@ def layer_and_name(path: Sequence[Any]) -> tuple[str, str]:
     >>> [layer_and_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     [('params/Dense_0', 'kernel'), ('scale', '')]
   """
+  if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+    path = path[:-1]
   keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
   if len(keys) <= 1:
     return (keys[0] if keys else ""), ""
