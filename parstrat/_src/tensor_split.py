@@ -559,7 +559,7 @@ def analyse(
       continue
     if op.prim == "broadcast_in_dim" and viewed and len(leaves[viewed[0]].shape) == 1:
       bias_dim[op.outs[0]] = (viewed[0], op.params["broadcast_dimensions"][0])
-    elif op.prim == "broadcast_in_dim" and len(op.ins) == 1 and op.ins[0] in bias_dim:
+    elif op.prim == "broadcast_in_dim" and _is_var(op.ins[0]) and op.ins[0] in bias_dim:
       leaf, axis = bias_dim[op.ins[0]]  # (of a reshaped bias, below)
       bias_dim[op.outs[0]] = (leaf, op.params["broadcast_dimensions"][axis])
     elif op.prim == "reshape" and viewed and len(leaves[viewed[0]].shape) == 1:
