@@ -125,7 +125,7 @@ def make_pipeline_plan(
 
   # Each device's block of the stored buffers holds its v chunks' rows.
   def loss_and_grad(stored, inputs, targets, rng, model_state):
-    del rng  # None: refused by the trainer (no supports_rng)
+    del rng  # unread: a model that reads its key is refused by the trainer (no supports_rng)
     loss, grads = engine.pipeline_loss_and_grad(
       microbatch_model(inputs),
       sched,
@@ -141,7 +141,7 @@ def make_pipeline_plan(
     return loss, grads, model_state
 
   def forward(stored, inputs, rng, model_state):
-    del rng, model_state  # none: refused by the trainer
+    del rng, model_state  # unread, empty: the trainer refuses models that need them
     return engine.pipeline_forward(
       microbatch_model(inputs),
       microbatches,
@@ -291,12 +291,12 @@ def _with_model_axis(plan: Plan, mesh: Mesh) -> Plan:
   param_shardings = tuple(NamedSharding(mesh, spec) for spec in param_spec)
 
   def global_loss_and_grad(stored, inputs, targets, rng, model_state):
-    del rng  # None: refused by the trainer
+    del rng  # unread: a model that reads its key is refused by the trainer
     stored = jax.lax.with_sharding_constraint(stored, param_shardings)
     return (*grad_fn(stored, inputs, targets), model_state)
 
   def global_forward(stored, inputs, rng, model_state):
-    del rng, model_state  # none: refused by the trainer
+    del rng, model_state  # unread, empty: the trainer refuses models that need them
     return forward_fn(jax.lax.with_sharding_constraint(stored, param_shardings), inputs)
 
   return dataclasses.replace(

@@ -106,8 +106,9 @@ class Plan:
   whatever the user passed (an `hk.transform` model gets an empty state).
   `inputs` (the model's inputs) and `targets` (what the loss takes besides the
   outputs: the labels of an `(inputs, labels)` batch, else the whole batch) are
-  pytrees whose leaves share the leading batch axis; `rng` is a PRNG key, or
-  None when the model draws no randomness. The trainer derives the keys (one
+  pytrees whose leaves share the leading batch axis; `rng` is a PRNG key, also
+  when the model draws no randomness (then unread: an adapter such as Flax's
+  `rngs={"dropout": rng}` refuses None). The trainer derives the keys (one
   per device along the batch axes and per accumulation microstep) and averages
   the returned model state over the batch's pieces, so a plan only passes
   `rng` and `model_state` on to `model.apply`.
