@@ -735,6 +735,13 @@ def test_a_strategy_of_your_own_trains_from_the_command_line(tmp_path, monkeypat
         "[strategy-option] hots = 2: none of my_data_parallel, fsdp takes it",
       ),  # fmt: skip
       ("host = 3", ["--strategy-option", "host=2"], "--strategy-option host=2: my_data_"),
+      # (a key with "-", which --strategy-option reads as "_": still the file's spelling)
+      (
+        "over-lap = true",
+        [],
+        "[strategy-option] over-lap = true: my_data_parallel has no "
+        "option 'over_lap'; did you mean 'overlap'?",
+      ),  # fmt: skip
     ):
       (tmp_path / "bad.toml").write_text(f"[strategy-option]\n{table}\n")
       assert _user_run(tmp_path, monkeypatch, *mine, "--config", "bad.toml", *how) == 2

@@ -6,6 +6,7 @@ three levels where Haiku has two) is cut into stages by its layers and split
 tensor-parallel like a Haiku one.
 """
 
+import dataclasses
 import types
 
 import jax
@@ -188,3 +189,44 @@ def test_arrays_held_by_variables_are_cut_by_their_layers():
     assert f"  Dense_{i}\n" in trainer.plan.description + "\n", trainer.plan.description
   with pytest.raises(ValueError, match="exceeds the model's 3 layers"):
     parstrat.PipelineModelParallel(stages=4)(model, optax.sgd(0.1)).init(jax.random.key(0), sample)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Attention:
+  """A block whose three weights are fields; one of them is named `value`."""
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+
+
+def test_a_weight_named_value_beside_others_keeps_its_own_name():
+  # Seeing through `.value` took any field of that name for a variable's array: the
+  # value weight of each block below was named by the block list, so the pipeline
+  # found no cut between blocks (review of the change above).
+  def init(rng, inputs):
+    del inputs
+    keys = jax.random.split(rng, 9).reshape(3, 3)
+    return {
+      "blocks": [
+        _Attention(*(jax.random.normal(k, (FEATURES, FEATURES)) / FEATURES for k in ks))
+        for ks in keys
+      ]
+    }
+
+  def apply(params, rng, x):
+    del rng
+    for b in params["blocks"]:
+      x = x + jax.nn.sigmoid((x @ b.query) * (x @ b.key)) * (x @ b.value)
+    return x[:, :10]
+
+  model = types.SimpleNamespace(init=init, apply=apply)
+  strategy = parstrat.PipelineModelParallel(stages=3, microbatches=4)
+  parstrat.testing.check_strategy(
+    strategy, model, {"optimizer": optax.sgd(0.1)}, steps=2, batch=8, features=FEATURES
+  )
+  trainer = strategy(model, optax.sgd(0.1))
+  trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  for i in range(3):
+    assert f"  blocks/{i}\n" in trainer.plan.description + "\n", trainer.plan.description

@@ -616,14 +616,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   merged.from_config = {k for k, v in vars(merged).items() if getattr(args, k, None) != v}
   # Each key's value as the file writes it, for messages (argparse may hold a number as text).
   merged.config_written = {k.replace("-", "_"): config.toml_value(v) for k, v in table.items()}
-  # Likewise the [strategy-option] keys only the file set (the command line's win).
+  # Likewise each [strategy-option] key only the file set (the command line's win), by
+  # the name `--strategy-option` gives it; a later table's key wins, as its flag does.
   typed = dict(args.strategy_options or ())
-  options = table.get("strategy-option", table.get("strategy_option"))
-  merged.options_written = {  # (a table; `strategy-option = ["hosts=2"]` is flags' text)
-    k: config.toml_value(v)
-    for k, v in (options.items() if isinstance(options, dict) else ())
-    if k not in typed
-  }
+  merged.options_written = {}
+  for key, options in table.items():  # (`strategy-option = ["hosts=2"]` is flags' text)
+    if key.replace("_", "-") == "strategy-option" and isinstance(options, dict):
+      for k, v in options.items():
+        if (name := k.strip().replace("-", "_")) not in typed:
+          merged.options_written[name] = f"[{key}] {k} = {config.toml_value(v)}"
   return merged
 
 
@@ -639,9 +640,7 @@ def _option_as_given(args: argparse.Namespace, key: str) -> str:
   """A strategy option as given: `[strategy-option] hosts = 2` when only the --config
   file set it, as the file writes it; else `--strategy-option hosts=2`."""
   written = getattr(args, "options_written", {}).get(key)
-  if written is not None:
-    return f"[strategy-option] {key} = {written}"
-  return f"--strategy-option {key}={_strategy_options(args)[key]}"
+  return written or f"--strategy-option {key}={_strategy_options(args)[key]}"
 
 
 def _check_not_empty(args: argparse.Namespace, key: str) -> None:

@@ -489,10 +489,6 @@ def _flops(op: _Op) -> int:
   return size
 
 
-def _leaf_names(params: Any) -> list[tuple[str, str]]:
-  return [trees.layer_and_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
 def analyse(
   apply_fn: Callable[[Any, Any], Any],
   params: Any,
@@ -527,7 +523,7 @@ def analyse(
     [0, 1, None, 0, None, None]
   """
   leaves, treedef = jax.tree.flatten(params)
-  names = _leaf_names(params)
+  names = trees.layers_and_names(params)
   closed = jax.make_jaxpr(lambda leaves, x: apply_fn(jax.tree.unflatten(treedef, leaves), x))(
     leaves, inputs
   )

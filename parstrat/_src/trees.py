@@ -113,9 +113,8 @@ def layer_and_name(path: Sequence[Any]) -> tuple[str, str]:
 
   Haiku's `{module: {name: array}}` gives `(module, name)`; a deeper tree (a
   Flax-style `{"params": {"Dense_0": {"kernel": ...}}}`) its parent path
-  joined by "/"; a leaf at the top `(its key, "")`. A path that ends in the
-  attribute `.value` (an object holding the array, as Flax nnx's `Variable`
-  does in an `nnx.State`) is the path of that object.
+  joined by "/"; a leaf at the top `(its key, "")`. For a whole tree, use
+  `layers_and_names`, which also sees through a variable holding one array.
 
   Example:
     >>> import jax, numpy as np
@@ -123,12 +122,41 @@ def layer_and_name(path: Sequence[Any]) -> tuple[str, str]:
     >>> [layer_and_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     [('params/Dense_0', 'kernel'), ('scale', '')]
   """
-  if len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-    path = path[:-1]
   keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
   if len(keys) <= 1:
     return (keys[0] if keys else ""), ""
   return "/".join(keys[:-1]), keys[-1]
+
+
+def layers_and_names(params: Any) -> list[tuple[str, str]]:
+  """`layer_and_name` of each leaf of `params`, in `jax.tree.leaves` order.
+
+  A leaf that is the only array of an object stored under a dict key, reached
+  by its attribute `.value` (Flax nnx's `Variable` in an `nnx.State`:
+  `{"l1": {"kernel": Variable(value=...)}}`), is named by that key: layer
+  "l1", name "kernel", not a layer "l1/kernel" of its own. An array field named
+  `value` beside others (an attention block's) keeps its own name.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> layers_and_names({"mlp": {"w": np.ones(2), "b": np.ones(2)}})
+    [('mlp', 'b'), ('mlp', 'w')]
+  """
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  holders: dict[tuple, int] = {}  # path of the object above each leaf -> its leaves
+  for path in paths:
+    holders[tuple(path[:-1])] = holders.get(tuple(path[:-1]), 0) + 1
+
+  def held(path) -> bool:
+    return (
+      len(path) > 1
+      and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name == "value"
+      and isinstance(path[-2], jax.tree_util.DictKey)
+      and holders[tuple(path[:-1])] == 1
+    )
+
+  return [layer_and_name(path[:-1] if held(path) else path) for path in paths]
 
 
 def map_param_like(tree: Any, like: Any, fn: Callable[[Any], Any]) -> Any:

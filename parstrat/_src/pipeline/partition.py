@@ -132,8 +132,7 @@ def _trace(apply_fn: Callable, params: Any, inputs: Any) -> _Trace:
   )
   names = []
   leaf_layer = []
-  for path, _ in leaves_with_path:
-    name = trees.layer_and_name(path)[0]
+  for name, _ in trees.layers_and_names(params):
     if name not in names:
       names.append(name)
     leaf_layer.append(names.index(name))
