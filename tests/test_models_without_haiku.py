@@ -7,6 +7,7 @@ tensor-parallel like a Haiku one.
 """
 
 import dataclasses
+import re
 import types
 
 import jax
@@ -230,3 +231,41 @@ def test_a_weight_named_value_beside_others_keeps_its_own_name():
   trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
   for i in range(3):
     assert f"  blocks/{i}\n" in trainer.plan.description + "\n", trainer.plan.description
+
+
+def test_params_that_are_not_floats_are_refused_at_init_naming_the_leaf():
+  # Flax nnx's `nnx.Dropout(rate, rngs=rngs)` keeps its random key and counter in the
+  # module: `nnx.split` put them among the params, and the first step failed inside
+  # jax.grad ("grad requires real- or complex-valued inputs ... but got uint32"),
+  # naming neither the leaf nor the fix.
+  def init(rng, inputs):
+    params = _init(rng, inputs)
+    params["rngs"] = {"dropout": {"count": jnp.zeros((), jnp.uint32)}}
+    return params
+
+  model = types.SimpleNamespace(init=init, apply=_apply)
+  trainer = parstrat.DataParallel(data=2)(model, optax.sgd(0.1))
+  with pytest.raises(TypeError, match=re.escape(
+    "params['rngs']['dropout']['count'] has dtype uint32: the params must all be floats"
+  )):  # fmt: skip
+    trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+
+
+class _FlaxAdapter:
+  """A user's own class with the contract's two methods, the key named `key`."""
+
+  def init(self, key, inputs):
+    return _init(key, inputs)
+
+  def apply(self, variables, key, x):
+    return _apply(variables, key, x)
+
+
+def test_a_class_of_the_users_own_trains_like_jit():
+  # Its apply does not name an `rng`, so the trainer wrapped it, rebuilding the object
+  # as `type(model)(init=..., apply=...)`: "_FlaxAdapter.__init__() got an unexpected
+  # keyword argument 'init'".
+  parstrat.testing.check_strategy(
+    parstrat.DataParallel(data=2), _FlaxAdapter(), {"optimizer": optax.sgd(0.1)}, steps=2,
+    batch=8, features=FEATURES,
+  )  # fmt: skip

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import types
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -254,13 +255,15 @@ def outputs_fn(model: hk.TransformedWithState, model_state: Any = None) -> Calla
 
 
 def with_rng_argument(model: Any) -> Any:
-  """`model` (same kind) with an `apply` that takes an rng, as Haiku's does by default.
+  """`model` with an `apply` that takes an rng, as Haiku's does by default.
 
   `hk.without_apply_rng` drops the rng from `apply`: `(params, [state,] *inputs)`
   instead of `(params, [state,] rng, *inputs)`. A model whose `apply` signature
   names an `rng` is returned as it is; for any other, the first call passes the
   key and, if that raises a TypeError, calls again without it and keeps to
-  that (re-raising the first error if the second call fails too).
+  that (re-raising the first error if the second call fails too). The result is
+  of `model`'s type when that is Haiku's or a `SimpleNamespace`, else a
+  `SimpleNamespace` (a class of the user's own need not take `init=`, `apply=`).
   """
   try:
     if "rng" in inspect.signature(model.apply).parameters:
@@ -288,7 +291,9 @@ def with_rng_argument(model: Any) -> Any:
     takes_rng = True
     return outputs
 
-  return type(model)(init=model.init, apply=apply)
+  if isinstance(model, (hk.Transformed, hk.TransformedWithState, types.SimpleNamespace)):
+    return type(model)(init=model.init, apply=apply)
+  return types.SimpleNamespace(init=model.init, apply=apply)  # (a class of the user's own)
 
 
 def bind_axes(model: Any, axes: Sequence[str]) -> Any:
@@ -999,6 +1004,7 @@ class Trainer:
         f"BatchNorm; state {sorted(abstract_model_state)}): its layout does not keep the "
         "state. Use data_parallel or fsdp."
       )
+    _check_params_differentiable(abstract_params)
     plan = strategy.make_plan(model, self.loss_fn, self.mesh, abstract_params, abstract_inputs)
     _check_plan(plan, strategy, self.mesh)
     if not optimizer_probe.needs_model_layout(self.optimizer, plan, abstract_params, strategy):
@@ -1949,6 +1955,24 @@ def _key_impl(rng: jax.Array):
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     return jax.random.key_impl(rng)
   return None  # a legacy raw key: JAX's default implementation
+
+
+def _check_params_differentiable(params: Any) -> None:
+  """Refuses params with a leaf that is not a float: gradients cannot be taken of it.
+
+  Raises:
+    TypeError: naming the first such leaf and its dtype (it failed at the first step,
+      inside `jax.grad`, naming neither).
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise TypeError(
+        f"params{jax.tree_util.keystr(path)} has dtype {leaf.dtype}: the params must all be "
+        "floats, to take their gradients. A random key or counter (Flax nnx's `Rngs` held "
+        "by a module, as `nnx.Dropout(rate, rngs=rngs)` holds one) belongs outside them: "
+        "give `init` only the parameters (`nnx.split(module, nnx.Param, ...)`), or pass "
+        "the key per call; keep other integer arrays in the model's state or as constants."
+      )
 
 
 def _reads_rng(model, params, model_state, inputs) -> bool:
