@@ -1575,7 +1575,6 @@ class Trainer:
         f"{e} Pad the inputs, or run the model on one device without the layout: "
         "model.apply(trainer.params(state), ...)."
       ) from None
-    key = self._key(state.rng, None)  # (unread: see train_step)
     if self.uses_rng:
       if rng is None:
         raise ValueError(
@@ -1584,6 +1583,8 @@ class Trainer:
       if not _is_prng_key(rng):
         raise TypeError(f"rng must be a JAX PRNG key, got {type(rng).__name__} {rng!r}.")
       key = rng if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(rng)
+    else:
+      key = self._key(state.rng, None)  # (unread: see train_step)
     if self.plan.manual:
       self._check_outputs_split(inputs)
     inputs = jax.device_put(inputs, self._batch_sharding())

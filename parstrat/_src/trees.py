@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -143,9 +144,7 @@ def layers_and_names(params: Any) -> list[tuple[str, str]]:
     [('mlp', 'b'), ('mlp', 'w')]
   """
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  holders: dict[tuple, int] = {}  # path of the object above each leaf -> its leaves
-  for path in paths:
-    holders[tuple(path[:-1])] = holders.get(tuple(path[:-1]), 0) + 1
+  holders = collections.Counter(tuple(path[:-1]) for path in paths)  # leaves per object
 
   def held(path) -> bool:
     return (
