@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import haiku as hk
@@ -366,3 +367,57 @@ def test_a_model_with_a_zero_size_parameter_saves_and_resumes_exactly(tmp_path):
       np.testing.assert_array_equal(params["linear"]["w"], saved_w)
       if not fresh_optimizer:  # the same update from the same Adam state: the same loss
         assert [float(other.step(restored, (x, y))[1]["loss"])] == straight
+
+
+def _init_blocks(rng, inputs):
+  keys = jax.random.split(rng, 2)
+  width = inputs.shape[-1]
+  return {
+    "blocks": {
+      i: {"w": jax.random.normal(key, (width, width)) / width, "b": np.zeros(width, np.float32)}
+      for i, key in enumerate(keys)
+    }
+  }
+
+
+def _apply_blocks(params, rng, x):
+  del rng
+  for i in range(2):
+    x = jax.numpy.tanh(x @ params["blocks"][i]["w"] + params["blocks"][i]["b"])
+  return x
+
+
+def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path):
+  # An nnx.List of layers gives params {"blocks": {0: ..., 1: ...}}. Orbax writes the
+  # keys as text ('0', '1'), and restore refused the checkpoint, wrongly: "params['blocks']
+  # [0]['b'] is missing (expected shape (6,))".
+  model = types.SimpleNamespace(init=_init_blocks, apply=_apply_blocks)
+  x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
+  y = np.arange(8, dtype=np.int32) % 6
+  trainer = parstrat.DataParallel(data=2)(model, optax.adam(1e-2))
+  state = trainer.init(jax.random.key(0), x)
+  with Checkpointer(tmp_path / "c") as ckpt:
+    state, _ = trainer.step(state, (x, y))
+    assert ckpt.save(trainer, state, {}, force=True)
+    saved = jax.tree.map(np.asarray, trainer.params(state))
+    straight = float(trainer.step(state, (x, y))[1]["loss"])
+    for fresh_optimizer in (False, True):
+      other = parstrat.FSDP(data=2)(model, optax.adam(1e-2))
+      other.init(jax.random.key(1), x)
+      restored, _ = ckpt.restore(other, fresh_optimizer=fresh_optimizer)
+      params = other.params(restored)
+      assert list(params["blocks"]) == [0, 1]  # the model's own keys, not orbax's text
+      jax.tree.map(np.testing.assert_array_equal, params, saved)
+      if not fresh_optimizer:  # the same Adam state: the same next step
+        assert float(other.step(restored, (x, y))[1]["loss"]) == straight
+    # A model that truly differs is still refused, named by its own key.
+    narrower = types.SimpleNamespace(
+      init=lambda rng, inputs: _init_blocks(rng, inputs[:, :5]), apply=_apply_blocks
+    )
+    other = parstrat.FSDP(data=2)(narrower, optax.adam(1e-2))
+    other.init(jax.random.key(1), x[:, :5])
+    with pytest.raises(
+      parstrat.checkpoint.CheckpointDoesNotFit,
+      match=re.escape("params['blocks'][0]['b']: shape (6,), expected (5,)"),
+    ):
+      ckpt.restore(other)

@@ -104,6 +104,39 @@ def _with_empty(restored: Any, abstract: Any) -> Any:
   return jax.tree.map(fill, abstract, restored)
 
 
+def _keys_as_in(saved: Any, template: Any) -> Any:
+  """`saved` (orbax's metadata tree: dicts and lists) with its dict keys as `template` has them.
+
+  Orbax writes every dict key as text, so a model whose params hold a layer under
+  an integer key (`{"blocks": {0: ..., 1: ...}}`, as an `nnx.List` of layers gives)
+  reads back as `{"blocks": {"0": ..., "1": ...}}`. Where `template` has a key
+  that is not text at the same place, and it reads as the saved one, the saved key
+  becomes the template's; every other key is left as saved. (Orbax's restore
+  itself goes by the template's tree, integer keys included.)
+
+  Example:
+    >>> _keys_as_in({"blocks": {"0": 1.0, "1": 2.0}}, {"blocks": {0: 0.0, 1: 0.0}})
+    {'blocks': {0: 1.0, 1: 2.0}}
+  """
+  trie: dict = {}  # the template's keys, level by level
+  for path, _ in jax.tree_util.tree_leaves_with_path(template):
+    node = trie
+    for entry in path:
+      key = next((getattr(entry, a) for a in ("key", "idx", "name") if hasattr(entry, a)), entry)
+      node = node.setdefault(key, {})
+
+  def rename(tree: Any, node: dict) -> Any:
+    if isinstance(tree, dict):
+      as_text = {str(k): k for k in node if not isinstance(k, str)}
+      renamed = {as_text.get(k, k) if k not in node else k: v for k, v in tree.items()}
+      return {k: rename(v, node.get(k, {})) for k, v in renamed.items()}
+    if isinstance(tree, list | tuple):  # (orbax's metadata has no NamedTuples)
+      return [rename(v, node.get(i, {})) for i, v in enumerate(tree)]
+    return tree
+
+  return rename(saved, trie)
+
+
 class Checkpointer:
   """Saves and restores training state every `save_every` steps, keeping the last `keep`.
 
@@ -478,15 +511,15 @@ class Checkpointer:
       raise OSError("orbax finds no saved state")
     # (zero-size leaves are saved as None: `_without_empty`)
     template, abstract = _without_empty(template), _without_empty(abstract)
+    saved_tree = _keys_as_in(saved.tree, template)  # (integer keys were saved as text)
     # The params first: a different model is best named by its first layer.
     mismatch = trees.first_mismatch(
-      {"params": saved.tree.get("params")}, {"params": template["params"]}
+      {"params": saved_tree.get("params")}, {"params": template["params"]}
     )
     if mismatch is not None:
       raise CheckpointDoesNotFit(
         f"The checkpoint at step {step} does not fit this model: {mismatch}."
       )
-    saved_tree = saved.tree
     if fresh_optimizer:  # compared and read without the optimizer state
       saved_tree, template, abstract = (
         {k: v for k, v in tree.items() if k != "opt_state"}
