@@ -222,6 +222,10 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   for only in measured_shallow:
     assert only.peak_bytes is None
     assert "stages=4 exceeds the model's 2 layers" in only.problem
+  # The table says the refusal once, in full; the rows after it point at it.
+  rows = auto_lib.format_table(measured_shallow, None, "").splitlines()[2:5]
+  assert "stages=4 exceeds the model's 2 layers" in rows[0]
+  assert [row.split()[-3:] for row in rows[1:]] == [["same", "as", "#1"]] * 2
   with pytest.raises(ValueError, match="^No candidate strategy can run this model: no candidate "
                      "could be built .*stages=4 exceeds"):  # fmt: skip
     auto_lib.rank(measured_shallow, None)

@@ -252,23 +252,34 @@ class Choice:
 
 
 def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -> str:
-  """The ranked candidates as a table, then `reason`."""
+  """The ranked candidates as a table, then `reason`.
+
+  A problem already given in full on an earlier row is said as `same as #k` (a
+  pipeline's refusal is the same under each of its activation policies, and can
+  run to many lines' worth of text).
+  """
   shown = "none" if budget is None else format_bytes(budget)
+  first_row_saying: dict[str, int] = {}
   lines = [f"parstrat auto: {len(ranked)} candidates, memory budget {shown} per device"]
   lines.append(
     f"{'#':>2}  {'candidate':<60} {'peak/device':>12} {'state/device':>12} "
     f"{'compute':>9} {'comm':>11} {'est. step':>10}  note"
   )
   for i, c in enumerate(ranked, 1):
+    problem = c.problem
+    if problem in first_row_saying:
+      problem = f"same as #{first_row_saying[problem]}"
+    elif problem:
+      first_row_saying[problem] = i
     if c.problem and c.peak_bytes is None:
       lines.append(
-        f"{i:>2}  {c.label:<60} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {c.problem}"
+        f"{i:>2}  {c.label:<60} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {problem}"
       )
       continue
     lines.append(
       f"{i:>2}  {c.label:<60} {format_bytes(c.peak_bytes):>12} "
       f"{format_bytes(c.state_bytes):>12} {c.compute_s * 1e6:>7.1f}us "
-      f"{format_bytes(c.comm_bytes):>11} {c.time_s * 1e6:>8.1f}us  {c.problem}"
+      f"{format_bytes(c.comm_bytes):>11} {c.time_s * 1e6:>8.1f}us  {problem}"
     )
   lines.append(reason)
   return "\n".join(lines)
