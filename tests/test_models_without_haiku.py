@@ -269,3 +269,76 @@ def test_a_class_of_the_users_own_trains_like_jit():
     parstrat.DataParallel(data=2), _FlaxAdapter(), {"optimizer": optax.sgd(0.1)}, steps=2,
     batch=8, features=FEATURES,
   )  # fmt: skip
+
+
+def _init_weight_first(rng, inputs):
+  # An equinox `Linear`'s leaves: `weight` [out, in] and `bias` [out].
+  return {
+    f"Linear_{i}": {"weight": layer["kernel"].T, "bias": layer["bias"]}
+    for i, layer in enumerate(_init(rng, inputs)["params"].values())
+  }
+
+
+def _apply_weight_first(params, rng, x):
+  del rng
+
+  def one(x):  # one example, as an equinox model is written: `weight @ x + bias`
+    for i in range(len(WIDTHS) - 1):
+      x = params[f"Linear_{i}"]["weight"] @ x + params[f"Linear_{i}"]["bias"]
+      x = jax.nn.gelu(x) if i < len(WIDTHS) - 2 else x
+    return x
+
+  return jax.vmap(one)(x)
+
+
+@pytest.mark.parametrize(
+  ("strategy", "column", "row"),
+  [
+    (parstrat.TensorParallel(model=2), 0, 1),
+    # Cut after Linear_0: the pair in stage 1 (as the Flax-style model's).
+    (parstrat.Hybrid(data=2, stages=2, model=2), 1, 2),
+  ],
+  ids=["tensor", "hybrid 2x2x2"],
+)
+def test_a_weight_on_the_left_as_equinox_multiplies_is_split_with_its_layer(strategy, column, row):
+  # An equinox `Linear` computes `weight @ x + bias` per example under `jax.vmap`: the
+  # jaxpr's matmul is `dot_general(w, x)` contracting the weight's dim 1 with the
+  # input's last axis, its output [out, batch] then transposed. The analysis took only
+  # `x @ w` for a linear layer, and split nothing ("0 split group(s)").
+  model = types.SimpleNamespace(init=_init_weight_first, apply=_apply_weight_first)
+  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+    parstrat.testing.check_strategy(
+      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
+    )
+  # (A masked adamw runs per leaf: under the pipeline its moments keep the model's
+  # layout, each leaf's spec naming "model" where the step splits it.)
+  trainer = strategy(model, optax.adamw(1e-2, mask=_decay_mask))
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  if isinstance(strategy, parstrat.TensorParallel):
+    specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
+  else:
+    specs = jax.tree.map(lambda x: x.sharding.spec, state.opt_state[0].mu)
+
+  def model_dims(spec):  # the dimensions split over "model"
+    return [d for d, entry in enumerate(spec) if "model" in jax.tree.leaves(entry)]
+
+  dims = jax.tree.map(model_dims, specs, is_leaf=lambda x: isinstance(x, P))
+  # Column-parallel by the weight's output features (its dim 0), the bias with them;
+  # row-parallel by its input features (dim 1), the bias whole; the other layer whole.
+  (other,) = {0, 1, 2} - {column, row}
+  assert dims[f"Linear_{column}"] == {"weight": [0], "bias": [0]}, specs
+  assert dims[f"Linear_{row}"] == {"weight": [1], "bias": []}, specs
+  assert dims[f"Linear_{other}"] == {"weight": [], "bias": []}, specs
+  text = trainer.plan.description
+  assert "1 split group(s)" in text
+  assert (
+    f"Linear_{column}: column-parallel (split by output features; consumed by Linear_{row})" in text
+  )
+  assert f"Linear_{row}: row-parallel" in text
+  # The plan's costs are those of the `x @ w` model: an all-reduce of 16 features per
+  # example (the [16, batch] output was counted whole, 8 times too wide) and the same FLOPs.
+  sample = jnp.zeros((8, FEATURES))
+  ours, flax_style = (parstrat.tensor_split_plan(m, sample) for m in (model, FLAX_STYLE))
+  assert [g.reduce_widths for g in ours.groups] == [(16, 0)]
+  assert [g.reduce_widths for g in flax_style.groups] == [(16, 0)]
+  assert ours.split_flops == flax_style.split_flops

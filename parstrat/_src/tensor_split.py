@@ -5,7 +5,10 @@ One analysis serves `TensorParallel` and `Hybrid(model>1)`. The model's
 followed value by value:
 
 * A *linear* weight is a 2-D parameter used exactly once, as `x @ w` (the
-  input's last axis against the weight's rows), like `hk.Linear`'s `w`.
+  input's last axis against the weight's rows), like `hk.Linear`'s `w`, or as
+  `w @ x.T` (the weight's columns against the input's last axis, the output
+  features leading), as an equinox `Linear`'s `weight @ x` is under `jax.vmap`.
+  Its output features are the weight's other dimension.
 * A linear layer whose output width `T` divides is tried *column-parallel*:
   its output is split by features. The split is followed forward through
   element-wise ops (activations, bias adds, which split the bias too, scaling
@@ -289,9 +292,10 @@ def _reshape_split(in_shape, out_shape, d: int, parts: int) -> int | None:
 class _Analysis:
   """The dataflow state of one round (a fixed set of column candidates)."""
 
-  def __init__(self, ops, kinds, origin, bias_dim, linear, columns, parts, outputs, batch):
+  def __init__(self, ops, kinds, origin, bias_dim, linear, out_dim, columns, parts, outputs, batch):
     self.ops, self.kinds, self.origin, self.bias_dim = ops, kinds, origin, bias_dim
     self.linear, self.columns, self.parts, self.outputs = linear, columns, parts, outputs
+    self.out_dim = out_dim
     self.batch = batch
     self.split: dict[Any, int] = {}  # var -> split axis
     self.owner: dict[Any, int] = {}  # var -> group id (a column leaf)
@@ -347,13 +351,15 @@ class _Analysis:
     for op in self.ops:
       self._note_uniform(op)
       start = self.linear.get(id(op))
-      if start is not None and start in self.columns and not self._split(op.ins[0]):
+      if start is not None and start in self.columns and not self._split(self._input(op)):
         out = op.outs[0]
         g = self.groups.setdefault(start, _Group())
         g.columns.add(start)
-        x = op.ins[0]
+        x = self._input(op)
         g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x)
-        self.mark(out, len(out.aval.shape) - 1, self.uf.find(start), _flops(op))
+        # The output features: last after `x @ w`, leading after `w @ x.T`.
+        axis = len(out.aval.shape) - 1 if self.out_dim[start] == 1 else 0
+        self.mark(out, axis, self.uf.find(start), _flops(op))
         continue
       split_ins = [v for v in op.ins if self._split(v)]
       if split_ins:
@@ -365,9 +371,16 @@ class _Analysis:
   def _split(self, v) -> bool:
     return _is_var(v) and v in self.split
 
-  def _width(self, v) -> int:
-    shape = v.aval.shape
-    return int(np.prod(shape[1:])) if shape and shape[0] == self.batch else int(np.prod(shape))
+  def _input(self, op: _Op):
+    """A linear layer's input: the operand that is not its weight."""
+    return op.ins[1 - self.out_dim[self.linear[id(op)]]]
+
+  def _width(self, v, batch_axis: int = 0) -> int:
+    """Elements per example of `v`: its size over the batch, if `batch_axis` is that long."""
+    shape, size = v.aval.shape, int(np.prod(v.aval.shape))
+    if len(shape) > batch_axis and shape[batch_axis] == self.batch:
+      return size // self.batch
+    return size
 
   def _follow(self, op: _Op, split_ins: list) -> None:  # noqa: PLR0911 - one rule per op
     reads = {frozenset(self.group(v).column_inputs) for v in split_ins}
@@ -448,13 +461,16 @@ class _Analysis:
     lhs, rhs = op.ins
     out = op.outs[0]
     row = self.linear.get(id(op))
-    if self._split(lhs) and not self._split(rhs) and row is not None and tuple(lc) == (d,):
-      g = self.groups[root]
-      g.rows.add(row)
-      g.row_out += self._width(out)
-      g.flops += _flops(op)
-      self.used_as_row.add(row)
-      return None
+    if row is not None:  # a linear layer contracting the split features: row-parallel
+      side = self.out_dim[row]  # the weight's operand
+      x, x_contract, w = op.ins[1 - side], (lc, rc)[1 - side], op.ins[side]
+      if self._split(x) and not self._split(w) and tuple(x_contract) == (d,):
+        g = self.groups[root]
+        g.rows.add(row)
+        g.row_out += self._width(out, batch_axis=1 - side)  # (`w @ x.T`: [out, batch])
+        g.flops += _flops(op)
+        self.used_as_row.add(row)
+        return None
     if self._split(lhs) and self._split(rhs):
       dl, dr = self.split[lhs], self.split[rhs]
       if dl in lb and dr in rb and list(lb).index(dl) == list(rb).index(dr):
@@ -567,8 +583,11 @@ def analyse(
     for i in viewed:
       uses[i].append(op)
 
-  # Linear weights: 2-D leaves used exactly once, as `x @ w`.
+  # Linear weights: 2-D leaves used exactly once, as `x @ w` or `w @ x.T`.
   linear: dict[int, int] = {}  # id(dot op) -> leaf
+  # leaf -> its output-features dimension: 1 for `x @ w`, 0 for `w @ x.T`, which is also
+  # the weight's operand index (its input is the other operand).
+  out_dim: dict[int, int] = {}
   why_not: dict[int, str] = {}
   for i, leaf in enumerate(leaves):
     shape = tuple(leaf.shape)
@@ -581,22 +600,27 @@ def analyse(
       why_not[i] = f"replicated (used {len(found)} times: a shared or tied weight)"
       continue
     (op,) = found
-    if op.prim != "dot_general" or len(op.ins) != 2 or origin.get(op.ins[1]) != i:
-      why_not[i] = f"replicated (used by `{op.prim}`, not as `x @ w`)"
+    pair = op.prim == "dot_general" and len(op.ins) == 2
+    side = next((k for k in (1, 0) if pair and origin.get(op.ins[k]) == i), None)
+    if side is None:
+      why_not[i] = f"replicated (used by `{op.prim}`, not as `x @ w` or `w @ x.T`)"
       continue
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    x = op.ins[0]
-    if lb or rb or tuple(rc) != (0,) or tuple(lc) != (len(x.aval.shape) - 1,):
-      why_not[i] = "replicated (not used as `x @ w` on the input's last axis)"
+    x = op.ins[1 - side]
+    w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
+    if lb or rb or tuple(w_contract) != (1 - side,) or tuple(x_contract) != (x.aval.ndim - 1,):
+      why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on the input's last axis)"
       continue
     linear[id(op)] = i
+    out_dim[i] = side
 
-  columns = {i for i in linear.values() if leaves[i].shape[1] % parts == 0}
+  columns = {i for i in linear.values() if leaves[i].shape[out_dim[i]] % parts == 0}
   for i in set(linear.values()) - columns:
-    why_not[i] = f"replicated (its {leaves[i].shape[1]} outputs are not divisible by model={parts})"
+    width = leaves[i].shape[out_dim[i]]
+    why_not[i] = f"replicated (its {width} outputs are not divisible by model={parts})"
   dropped: dict[int, str] = {}
   while True:
-    state = _Analysis(ops, kinds, origin, bias_dim, linear, columns, parts, outputs, batch)
+    state = _Analysis(ops, kinds, origin, bias_dim, linear, out_dim, columns, parts, outputs, batch)
     state.run()
     bad = {}
     for root, g in state.groups.items():
@@ -624,16 +648,17 @@ def analyse(
     row_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.rows)))
     partners = ", ".join(row_layers)
     for i in g.columns | g.biases:
-      dims[i] = 1 if i in g.columns else 0
+      dims[i] = out_dim[i] if i in g.columns else 0
       reasons[i] = f"column-parallel (split by output features; consumed by {partners})"
     for i in g.rows:
-      dims[i] = 0
+      dims[i] = 1 - out_dim[i]  # its input features
     backward = sum(g.column_inputs.values())
     groups.append(SplitGroup(col_layers, row_layers, (g.row_out, backward)))
-  row_layers = {names[i][0] for g in state.groups.values() for i in g.rows}
+  row_leaves = {i for g in state.groups.values() for i in g.rows}
+  row_layers = {names[i][0] for i in row_leaves}
   for i in range(n):
     layer = names[i][0]
-    if layer in row_layers and (dims[i] == 0 or len(leaves[i].shape) == 1):
+    if i in row_leaves or (layer in row_layers and len(leaves[i].shape) == 1):
       reasons[i] = "row-parallel (split by input features; output all-reduced over model)"
     elif dims[i] is not None:
       continue
