@@ -387,14 +387,32 @@ def _apply_blocks(params, rng, x):
   return x
 
 
-def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path):
+def _block_0_frozen():
+  def labels(params):
+    return {
+      "blocks": {
+        i: jax.tree.map(lambda _, i=i: "frozen" if i == 0 else "train", block)
+        for i, block in params["blocks"].items()
+      }
+    }
+
+  return optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+
+
+@pytest.mark.parametrize(
+  "make_optimizer",
+  [lambda: optax.adam(1e-2), _block_0_frozen],
+  ids=["adam", "multi_transform with block 0 frozen"],
+)
+def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path, make_optimizer):
   # An nnx.List of layers gives params {"blocks": {0: ..., 1: ...}}. Orbax writes the
   # keys as text ('0', '1'), and restore refused the checkpoint, wrongly: "params['blocks']
-  # [0]['b'] is missing (expected shape (6,))".
+  # [0]['b'] is missing (expected shape (6,))". With block 0 frozen, Adam's moments hold
+  # only optax.MaskedNode()s (no leaves) under key 0, which must be taken back too.
   model = types.SimpleNamespace(init=_init_blocks, apply=_apply_blocks)
   x = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32)
   y = np.arange(8, dtype=np.int32) % 6
-  trainer = parstrat.DataParallel(data=2)(model, optax.adam(1e-2))
+  trainer = parstrat.DataParallel(data=2)(model, make_optimizer())
   state = trainer.init(jax.random.key(0), x)
   with Checkpointer(tmp_path / "c") as ckpt:
     state, _ = trainer.step(state, (x, y))
@@ -402,7 +420,7 @@ def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path):
     saved = jax.tree.map(np.asarray, trainer.params(state))
     straight = float(trainer.step(state, (x, y))[1]["loss"])
     for fresh_optimizer in (False, True):
-      other = parstrat.FSDP(data=2)(model, optax.adam(1e-2))
+      other = parstrat.FSDP(data=2)(model, make_optimizer())
       other.init(jax.random.key(1), x)
       restored, _ = ckpt.restore(other, fresh_optimizer=fresh_optimizer)
       params = other.params(restored)
@@ -414,7 +432,7 @@ def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path):
     narrower = types.SimpleNamespace(
       init=lambda rng, inputs: _init_blocks(rng, inputs[:, :5]), apply=_apply_blocks
     )
-    other = parstrat.FSDP(data=2)(narrower, optax.adam(1e-2))
+    other = parstrat.FSDP(data=2)(narrower, make_optimizer())
     other.init(jax.random.key(1), x[:, :5])
     with pytest.raises(
       parstrat.checkpoint.CheckpointDoesNotFit,

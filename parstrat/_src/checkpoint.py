@@ -119,7 +119,10 @@ def _keys_as_in(saved: Any, template: Any) -> Any:
     {'blocks': {0: 1.0, 1: 2.0}}
   """
   trie: dict = {}  # the template's keys, level by level
-  for path, _ in jax.tree_util.tree_leaves_with_path(template):
+  # (An empty subtree counts: a layer whose optimizer state is all `optax.MaskedNode`s,
+  # frozen by `optax.multi_transform`, has a key but no leaves.)
+  is_empty = lambda x: not jax.tree.leaves(x)  # noqa: E731
+  for path, _ in jax.tree_util.tree_leaves_with_path(template, is_leaf=is_empty):
     node = trie
     for entry in path:
       key = next((getattr(entry, a) for a in ("key", "idx", "name") if hasattr(entry, a)), entry)
