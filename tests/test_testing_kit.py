@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import types
 
 import haiku as hk
 import jax
@@ -449,6 +450,25 @@ def test_a_leaf_the_order_of_the_sums_decides_is_compared_within_its_spread():
   assert report.optimizer == "adam"
   assert report.order_sensitive_leaves == ("params['multi_head_attention/key']['b']",)
   assert "1 leaves decided by the order of the sums" in str(report)
+
+
+def _init_with_a_none(rng, inputs):
+  del inputs
+  return {"w": jax.random.normal(rng, (16, 10)) * 0.3, "shift": jnp.zeros(()), "unused": None}
+
+
+def test_params_holding_none_beside_an_order_sensitive_leaf():
+  # `eqx.partition` leaves None where a field is not an array (a Dropout's rate). The
+  # kit flattened its per-leaf tolerances counting that None as a leaf, and crashed
+  # ("zip() argument 3 is longer than arguments 1-2") whenever a leaf was loosened:
+  # here "shift", added to every logit, whose gradient is zero but for rounding.
+  model = types.SimpleNamespace(
+    init=_init_with_a_none, apply=lambda p, rng, x: x @ p["w"] + p["shift"]
+  )
+  (report,) = parstrat.testing.check_strategy(
+    "data_parallel", model, {"adam": optax.adam(1e-2)}, steps=3, batch=8, features=16
+  )
+  assert report.order_sensitive_leaves == ("params['shift']",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)

@@ -267,8 +267,10 @@ def _first_divergence(
   worst_name, worst = "", 0.0
   flat = jax.tree_util.tree_leaves_with_path(params)
   flat_ref = jax.tree.leaves(reference)
+  # (Up to the reference's leaves: a None in the params, as `eqx.partition` leaves for a
+  # field that is not an array, is no leaf there, while `loose` holds None per leaf too.)
   flat_loose = (
-    [None] * len(flat_ref) if loose is None else jax.tree.leaves(loose, is_leaf=lambda x: x is None)
+    [None] * len(flat_ref) if loose is None else jax.tree.structure(reference).flatten_up_to(loose)
   )
   for (path, leaf), ref, leaf_atol in zip(flat, flat_ref, flat_loose, strict=True):
     a, b = np.asarray(leaf, np.float64), np.asarray(ref, np.float64)
