@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
@@ -61,6 +62,25 @@ def dropout_model():
     return hk.Linear(4)(x)
 
   return hk.transform(forward), model()[1]
+
+
+def _dropout_net(x, is_training):
+  x = jax.nn.relu(hk.Linear(16)(x))
+  if is_training:
+    x = hk.dropout(hk.next_rng_key(), 0.5, x)
+  return hk.Linear(4)(x)
+
+
+def dropout_with_eval_model():  # the model as trained, and as evaluated: the same params
+  return {
+    "model": hk.transform(lambda x: _dropout_net(x, True)),
+    "loss_fn": model()[1],
+    "eval_model": hk.transform(lambda x: _dropout_net(x, False)),
+  }
+
+
+def eval_model_of_other_params():
+  return {"model": dropout_model()[0], "eval_model": model()[0]}
 
 
 def checks_its_width():  # the user's own check, in their model function
@@ -1211,6 +1231,47 @@ def test_a_dropout_model_is_evaluated_with_a_key(tmp_path, monkeypatch, capsys):
   )
   rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert 0.0 <= [r for r in rows if "eval_accuracy" in r][0]["eval_accuracy"] <= 1.0
+
+
+def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsys):
+  # A dropout model could only be evaluated as it trains, dropout on. --model-fn's dict
+  # may now give the model as evaluated, which runs on the trained params.
+  evaluated = []
+
+  def recording(trainer, *args, **kwargs):
+    evaluated.append(trainer.model)
+    return eval_accuracy(trainer, *args, **kwargs)
+
+  eval_accuracy = run_data.eval_accuracy
+  monkeypatch.setattr(run_data, "eval_accuracy", recording)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_with_eval_model",
+                   "--dataset", "mymodel:data", "--seed", "0", "--checkpoint-dir", "ckpt",
+                   "--out", "run") == 0  # fmt: skip
+  user = sys.modules["mymodel"]
+  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  (accuracy,) = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+  # The same accuracy as the eval model computes by itself on the checkpoint's params.
+  checkpointer = ocp.StandardCheckpointer()
+  path = (tmp_path / "ckpt" / "2" / "state").resolve()
+  saved = checkpointer.metadata(path).item_metadata.tree
+  params = checkpointer.restore(path, jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved))[
+    "params"
+  ]
+  ((x, y),) = user.data(8, 0)[1]
+  logits = user.dropout_with_eval_model()["eval_model"].apply(params, None, x)
+  assert accuracy == int((np.argmax(logits, -1) == y).sum()) / len(y)
+  # (the eval model's: the training model, with its dropout, needs a key to apply at all)
+  (model,) = set(evaluated)
+  np.testing.assert_array_equal(model.apply(params, None, x), logits)
+  # An eval model with other params is refused before training, naming the first leaf.
+  capsys.readouterr()
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_of_other_params",
+                   "--dataset", "mymodel:data", "--out", "other") == 2  # fmt: skip
+  err = capsys.readouterr().err
+  assert (
+    "--model-fn mymodel:eval_model_of_other_params: its eval_model has other params than its "
+    "model: params['linear']['b'] is missing (expected shape (16,))"
+  ) in err, err
 
 
 def test_auto_on_the_command_line_measures_the_datasets_own_labels(tmp_path, monkeypatch):

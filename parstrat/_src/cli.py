@@ -1613,8 +1613,10 @@ def train(args: argparse.Namespace) -> dict:
     if args.model_fn is None:
       hidden = args.hidden or DEFAULT_HIDDEN
       model, model_options = _default_model(hidden, data.num_classes or 10), {}
+      eval_model = None
     else:
       model, model_options = config.load_model(args.model_fn, seed=args.seed)
+      eval_model = model_options.pop("eval_model", None)
       if args.hidden is not None:
         widths = " ".join(map(str, args.hidden))
         say(f"--hidden {widths}: not used, the model is --model-fn {args.model_fn}")
@@ -1679,6 +1681,7 @@ def train(args: argparse.Namespace) -> dict:
       runs[name] = _train_one(
         args, strategy, model, data, metrics_path if primary else None, say,
         model_options=model_options, devices=devices, log_dir=run_dir if primary else None,
+        eval_model=eval_model,
       )  # fmt: skip
     except BaseException:  # (refused, Ctrl-C before a step): no empty folder left behind
       for folder in made:
@@ -1823,6 +1826,41 @@ def _start(args, strategy, model, data, model_options, optimizer, *, abstract=Fa
   return trainer, state, sample
 
 
+def _eval_trainer(args, trainer, state, eval_model, data, model_options, optimizer):
+  """A trainer of `eval_model` on `trainer`'s strategy and mesh, laid out only: its
+  `apply` runs the eval model on `trainer`'s state.
+
+  Raises:
+    UsageError: if the eval model's params, or the layout the strategy gives them,
+      differ from the model's (named by the first leaf that differs).
+  """
+  import jax
+
+  from parstrat._src import trees
+
+  evaluator, laid_out, _ = _start(
+    args, trainer.strategy, eval_model, data, model_options, optimizer, abstract=True
+  )
+  where = f"--model-fn {args.model_fn}: its eval_model"
+  mismatch = trees.first_mismatch({"params": laid_out.params}, {"params": state.params})
+  if mismatch is not None:
+    raise UsageError(f"{where} has other params than its model: {mismatch}")
+  named = lambda params: {  # noqa: E731
+    trees.leaf_name(path): x.sharding
+    for path, x in jax.tree_util.tree_leaves_with_path({"params": params})
+  }
+  want = named(state.params)
+  for name, sharding in named(laid_out.params).items():
+    if sharding != want[name]:
+      spec = lambda s: getattr(s, "spec", s)  # noqa: E731
+      raise UsageError(
+        f"{where} is laid out otherwise under {strategy_name(trainer.strategy)}: {name} "
+        f"{spec(sharding)}, the model's {spec(want[name])} (the strategy splits the two "
+        "models differently; give it an eval_model computed like the model)"
+      )
+  return evaluator
+
+
 def _local_rows(args, trainer) -> slice:
   """The rows of each `--batch-size` batch this process loads (see `local_batch_rows`).
 
@@ -1846,8 +1884,13 @@ def _train_one(
   model_options=None,
   devices=(),
   log_dir=None,
+  eval_model=None,
 ) -> dict:
-  """Trains one strategy; writes metrics every --log-every steps and each eval."""
+  """Trains one strategy; writes metrics every --log-every steps and each eval.
+
+  The eval runs `eval_model` (`--model-fn`'s dict key, e.g. the model with dropout
+  off) on the trained params, where given; else the model as it trains.
+  """
   import jax
   import numpy as np
   from tqdm import tqdm
@@ -1860,7 +1903,10 @@ def _train_one(
 
   optimizer, lr_schedule = _optimizer(args, data)
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
-  outputs = None if data.eval_batches is None else trainer._abstract_outputs(sample)  # noqa: SLF001
+  evaluator = trainer
+  if eval_model is not None and data.eval_batches is not None:
+    evaluator = _eval_trainer(args, trainer, state, eval_model, data, model_options, optimizer)
+  outputs = None if data.eval_batches is None else evaluator._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
     # (training refuses such labels) it is a mistake in the data, named before training.
@@ -1979,7 +2025,7 @@ def _train_one(
     # A dropout model's eval key: the same for a step on every run, and not a training key.
     rng = jax.random.fold_in(jax.random.key(args.seed + 1), step)
     accuracy = run_data.eval_accuracy(
-      trainer, state, data.eval_batches(), args.batch_size, rows, rng=rng
+      evaluator, state, data.eval_batches(), args.batch_size, rows, rng=rng
     )
     if accuracy is not None:
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})

@@ -355,7 +355,9 @@ def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
   `(hk.Transformed, loss_fn)`, or a dict `{"model": hk.Transformed, ...}`
   whose other keys are keyword arguments of the trainer (`strategy(model,
   optimizer, **options)`, e.g. `loss_fn`); it may itself be the
-  `hk.Transformed`. The function is called with those of `kwargs` (e.g.
+  `hk.Transformed`. The dict's `eval_model` (the model as evaluated, e.g.
+  with dropout off: the same params) is not the trainer's; the caller takes it
+  out of `options`. The function is called with those of `kwargs` (e.g.
   `seed`) that it names.
 
   Returns:
@@ -379,6 +381,11 @@ def load_model(spec: str, **kwargs) -> tuple[Any, dict[str, Any]]:
   if options.get("loss_fn") is not None and not callable(options["loss_fn"]):
     raise ConfigError(
       f"--model-fn {spec!r}: the loss it returned is not callable: {options['loss_fn']!r}"
+    )
+  if "eval_model" in options and not is_model(options["eval_model"]):
+    raise ConfigError(
+      f"--model-fn {spec!r}: its eval_model is not a model (no init and apply): "
+      f"{options['eval_model']!r}"
     )
   if not is_model(result):
     raise ConfigError(
