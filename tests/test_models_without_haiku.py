@@ -342,3 +342,98 @@ def test_a_weight_on_the_left_as_equinox_multiplies_is_split_with_its_layer(stra
   assert [g.reduce_widths for g in ours.groups] == [(16, 0)]
   assert [g.reduce_widths for g in flax_style.groups] == [(16, 0)]
   assert ours.split_flops == flax_style.split_flops
+
+
+def _bias_less_chain(widths, weight_on_left=True):
+  """Bias-less linear layers with gelu between them, the weights [out, in].
+
+  `weight_on_left`: as equinox `Linear(use_bias=False)`s chained inside one `jax.vmap`
+  (`w3 @ gelu(w2 @ gelu(w1 @ x))` per example): after the first layer the activations
+  are feature-major `[features, batch]`, each layer contracting its input's axis 0.
+  Otherwise `x @ w.T` on a batch-leading input, the weight held as `[in, out]`.
+  """
+
+  def init(rng, inputs):
+    del inputs
+    keys = jax.random.split(rng, len(widths) - 1)
+    return {
+      f"Linear_{i}": {
+        "weight": (
+          jax.random.normal(key, (fan_out, fan_in)) / np.sqrt(fan_in)
+          if weight_on_left
+          else jax.random.normal(key, (fan_in, fan_out)) / np.sqrt(fan_in)
+        )
+      }
+      for i, (key, fan_in, fan_out) in enumerate(zip(keys, widths[:-1], widths[1:], strict=True))
+    }
+
+  def apply(params, rng, x):
+    del rng
+    weights = [params[f"Linear_{i}"]["weight"] for i in range(len(widths) - 1)]
+
+    def chain(h, matmul):
+      for i, w in enumerate(weights):
+        h = matmul(w, h)
+        h = jax.nn.gelu(h) if i < len(weights) - 1 else h
+      return h
+
+    if weight_on_left:
+      return jax.vmap(lambda x: chain(x, lambda w, h: w @ h))(x)
+    return chain(x, lambda w, h: h @ w)
+
+  return types.SimpleNamespace(init=init, apply=apply)
+
+
+def test_bias_less_layers_chained_in_one_vmap_are_split_on_their_feature_major_input():
+  # Bias-less equinox `Linear`s inside one `jax.vmap` compute `W2 @ H` with H the
+  # `[features, batch]` output of `W1 @ X.T`: the second layer contracts its input's
+  # axis 0, with no transpose between. The analysis took a linear layer's input only on
+  # its last axis: "0 split group(s)", the first layer's split "contracted with
+  # something other than a linear layer's weight", the others "not used as `x @ w` or
+  # `w @ x.T` on the input's last axis".
+  model = _bias_less_chain(WIDTHS)
+  strategy = parstrat.TensorParallel(model=2)
+  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+    parstrat.testing.check_strategy(
+      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
+    )
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+
+  def model_dims(param):  # the dimensions split over "model"
+    return [d for d, entry in enumerate(param.sharding.spec) if "model" in jax.tree.leaves(entry)]
+
+  # Column-parallel by the weight's output features (dim 0), row-parallel by its input
+  # features (dim 1), the output layer whole.
+  dims = jax.tree.map(model_dims, state.params)
+  assert dims == {
+    "Linear_0": {"weight": [0]},
+    "Linear_1": {"weight": [1]},
+    "Linear_2": {"weight": []},
+  }, dims
+  text = trainer.plan.description
+  assert "1 split group(s)" in text
+  assert "Linear_0: column-parallel (split by output features; consumed by Linear_1)" in text
+  assert "Linear_1: row-parallel" in text
+  # The plan's costs are those of the same layers as `x @ w` on a batch-leading input:
+  # the row's all-reduce of 16 features per example (its output [16, batch]) and, with
+  # a first layer of 15 outputs left whole, the column's input read back from the
+  # [15, batch] activation (15 per example; counted whole, it is batch times wider).
+  sample = jnp.zeros((8, FEATURES))
+  for widths, expected in ((WIDTHS, [(16, 0)]), ((FEATURES, 15, 16, 10), [(10, 15)])):
+    ours, batch_major = (
+      parstrat.tensor_split_plan(_bias_less_chain(widths, left), sample) for left in (True, False)
+    )
+    assert [g.reduce_widths for g in ours.groups] == expected, ours
+    assert [g.reduce_widths for g in batch_major.groups] == expected, batch_major
+    assert ours.split_flops == batch_major.split_flops
+  # The pipeline cannot cut between such layers (no activation between them has the
+  # batch leading), and says so; one stage splits over "model" as `tensor` does.
+  with pytest.raises(ValueError, match=r"cannot be cut into 2 stages: only 0 of its 2 "):
+    parstrat.Hybrid(data=2, stages=2, model=2)(model, optax.sgd(0.1)).init(
+      jax.random.key(0), np.zeros((1, FEATURES), np.float32)
+    )
+  parstrat.testing.check_strategy(
+    parstrat.Hybrid(data=2, stages=1, model=2), model, {"optimizer": optax.sgd(0.1)}, steps=2,
+    batch=8, features=FEATURES,
+  )  # fmt: skip

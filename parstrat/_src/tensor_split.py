@@ -4,11 +4,15 @@ One analysis serves `TensorParallel` and `Hybrid(model>1)`. The model's
 `apply` is traced to a jaxpr (nested `jit` and `custom_jvp` calls inlined) and
 followed value by value:
 
-* A *linear* weight is a 2-D parameter used exactly once, as `x @ w` (the
-  input's last axis against the weight's rows), like `hk.Linear`'s `w`, or as
-  `w @ x.T` (the weight's columns against the input's last axis, the output
-  features leading), as an equinox `Linear`'s `weight @ x` is under `jax.vmap`.
-  Its output features are the weight's other dimension.
+* A *linear* weight is a 2-D parameter used exactly once, as `x @ w` (one
+  axis of the input, usually its last, against the weight's rows), like
+  `hk.Linear`'s `w`, or as `w @ x.T` (the weight's columns against one axis of
+  the input, the output features leading), as an equinox `Linear`'s
+  `weight @ x` is under `jax.vmap` (its input's last axis, or its leading one
+  when the input is the `[features, batch]` output of the layer before, as in
+  bias-less `Linear`s under one `vmap`). Its output features are the weight's
+  other dimension: the output's last axis for `x @ w`, its leading one for
+  `w @ x.T`.
 * A linear layer whose output width `T` divides is tried *column-parallel*:
   its output is split by features. The split is followed forward through
   element-wise ops (activations, bias adds, which split the bias too, scaling
@@ -356,7 +360,9 @@ class _Analysis:
         g = self.groups.setdefault(start, _Group())
         g.columns.add(start)
         x = self._input(op)
-        g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x)
+        # Its batch is the first axis it does not contract (1 for a [features, batch] input).
+        batch_axis = 1 if self._input_axis(op) == 0 else 0
+        g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x, batch_axis)
         # The output features: last after `x @ w`, leading after `w @ x.T`.
         axis = len(out.aval.shape) - 1 if self.out_dim[start] == 1 else 0
         self.mark(out, axis, self.uf.find(start), _flops(op))
@@ -374,6 +380,11 @@ class _Analysis:
   def _input(self, op: _Op):
     """A linear layer's input: the operand that is not its weight."""
     return op.ins[1 - self.out_dim[self.linear[id(op)]]]
+
+  def _input_axis(self, op: _Op) -> int:
+    """The axis a linear layer contracts on its input (its input features)."""
+    (lc, rc), _ = op.params["dimension_numbers"]
+    return (lc, rc)[1 - self.out_dim[self.linear[id(op)]]][0]
 
   def _width(self, v, batch_axis: int = 0) -> int:
     """Elements per example of `v`: its size over the batch, if `batch_axis` is that long."""
@@ -467,7 +478,9 @@ class _Analysis:
       if self._split(x) and not self._split(w) and tuple(x_contract) == (d,):
         g = self.groups[root]
         g.rows.add(row)
-        g.row_out += self._width(out, batch_axis=1 - side)  # (`w @ x.T`: [out, batch])
+        # The output is the operands' free axes, lhs first: `x @ w` [batch, .., out],
+        # `w @ x.T` [out, batch, ..] (whichever axis of `x` held the features).
+        g.row_out += self._width(out, batch_axis=1 - side)
         g.flops += _flops(op)
         self.used_as_row.add(row)
         return None
@@ -583,7 +596,8 @@ def analyse(
     for i in viewed:
       uses[i].append(op)
 
-  # Linear weights: 2-D leaves used exactly once, as `x @ w` or `w @ x.T`.
+  # Linear weights: 2-D leaves used exactly once, as `x @ w` or `w @ x.T`, contracting
+  # one axis of the input (its last, or the leading one of a [features, batch] input).
   linear: dict[int, int] = {}  # id(dot op) -> leaf
   # leaf -> its output-features dimension: 1 for `x @ w`, 0 for `w @ x.T`, which is also
   # the weight's operand index (its input is the other operand).
@@ -606,10 +620,9 @@ def analyse(
       why_not[i] = f"replicated (used by `{op.prim}`, not as `x @ w` or `w @ x.T`)"
       continue
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    x = op.ins[1 - side]
     w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
-    if lb or rb or tuple(w_contract) != (1 - side,) or tuple(x_contract) != (x.aval.ndim - 1,):
-      why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on the input's last axis)"
+    if lb or rb or tuple(w_contract) != (1 - side,) or len(x_contract) != 1:
+      why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on one axis of the input)"
       continue
     linear[id(op)] = i
     out_dim[i] = side
