@@ -483,7 +483,9 @@ def _boundary_cut(
     return (
       None,
       f"between layers {a!r} and {b!r} the one activation that crosses has shape "
-      f"{tuple(shape)}, without the batch ({batch}) as its leading axis (e.g. time-major)",
+      f"{tuple(shape)}, without the batch ({batch}) as its leading axis (e.g. time-major "
+      "[T, B, ...], or feature-major [F, B] from matmuls chained inside one `jax.vmap`, as "
+      "bias-less equinox `Linear`s give: `jax.vmap` each layer on its own)",
       (),
     )
   fewest = min(range(before + 1, after + 1), key=lambda c: len(analysis.live[c]))
