@@ -344,14 +344,17 @@ def test_a_weight_on_the_left_as_equinox_multiplies_is_split_with_its_layer(stra
   assert ours.split_flops == flax_style.split_flops
 
 
-def _bias_less_chain(widths, weight_on_left=True):
-  """Bias-less linear layers with gelu between them, the weights [out, in].
+def _bias_less_chain(widths, form="one vmap"):
+  """Bias-less linear layers with gelu between them.
 
-  `weight_on_left`: as equinox `Linear(use_bias=False)`s chained inside one `jax.vmap`
-  (`w3 @ gelu(w2 @ gelu(w1 @ x))` per example): after the first layer the activations
-  are feature-major `[features, batch]`, each layer contracting its input's axis 0.
-  Otherwise `x @ w.T` on a batch-leading input, the weight held as `[in, out]`.
+  `form` "one vmap": as equinox `Linear(use_bias=False)`s chained inside one `jax.vmap`
+  (`w3 @ gelu(w2 @ gelu(w1 @ x))` per example, the weights `[out, in]`): after the
+  first layer the activations are feature-major `[features, batch]`, each layer
+  contracting its input's axis 0. "vmap each": the same layers, each under a `jax.vmap`
+  of its own (the batch leading between them). "x @ w": on a batch-leading input, the
+  weights held as `[in, out]`.
   """
+  weight_on_left = form != "x @ w"
 
   def init(rng, inputs):
     del inputs
@@ -377,8 +380,10 @@ def _bias_less_chain(widths, weight_on_left=True):
         h = jax.nn.gelu(h) if i < len(weights) - 1 else h
       return h
 
-    if weight_on_left:
+    if form == "one vmap":
       return jax.vmap(lambda x: chain(x, lambda w, h: w @ h))(x)
+    if form == "vmap each":
+      return chain(x, lambda w, h: jax.vmap(lambda h: w @ h)(h))
     return chain(x, lambda w, h: h @ w)
 
   return types.SimpleNamespace(init=init, apply=apply)
@@ -422,19 +427,28 @@ def test_bias_less_layers_chained_in_one_vmap_are_split_on_their_feature_major_i
   sample = jnp.zeros((8, FEATURES))
   for widths, expected in ((WIDTHS, [(16, 0)]), ((FEATURES, 15, 16, 10), [(10, 15)])):
     ours, batch_major = (
-      parstrat.tensor_split_plan(_bias_less_chain(widths, left), sample) for left in (True, False)
+      parstrat.tensor_split_plan(_bias_less_chain(widths, form), sample)
+      for form in ("one vmap", "x @ w")
     )
     assert [g.reduce_widths for g in ours.groups] == expected, ours
     assert [g.reduce_widths for g in batch_major.groups] == expected, batch_major
     assert ours.split_flops == batch_major.split_flops
   # The pipeline cannot cut between such layers (no activation between them has the
-  # batch leading), and says so; one stage splits over "model" as `tensor` does.
+  # batch leading), and says so, naming the fix; one stage splits over "model" as
+  # `tensor` does.
+  hybrid = parstrat.Hybrid(data=2, stages=2, model=2)
   with pytest.raises(
     ValueError, match=r"cannot be cut into 2 stages: only 0 of its 2 .* feature-major"
   ):
-    parstrat.Hybrid(data=2, stages=2, model=2)(model, optax.sgd(0.1)).init(
-      jax.random.key(0), np.zeros((1, FEATURES), np.float32)
-    )
+    hybrid(model, optax.sgd(0.1)).init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  # With a `jax.vmap` per layer it is cut after Linear_0, the pair split in stage 1.
+  trainer = hybrid(_bias_less_chain(WIDTHS, "vmap each"), optax.sgd(0.1))
+  trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  text = trainer.plan.description
+  assert (
+    "stage 1: Linear_1: column-parallel (split by output features; consumed by Linear_2)" in text
+  )
+  assert "stage 1: Linear_2: row-parallel" in text
   parstrat.testing.check_strategy(
     parstrat.Hybrid(data=2, stages=1, model=2), model, {"optimizer": optax.sgd(0.1)}, steps=2,
     batch=8, features=FEATURES,
