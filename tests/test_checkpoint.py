@@ -369,8 +369,8 @@ def test_a_model_with_a_zero_size_parameter_saves_and_resumes_exactly(tmp_path):
         assert [float(other.step(restored, (x, y))[1]["loss"])] == straight
 
 
-def _init_blocks(rng, inputs):
-  keys = jax.random.split(rng, 2)
+def _init_blocks(rng, inputs, blocks=2):
+  keys = jax.random.split(rng, blocks)
   width = inputs.shape[-1]
   return {
     "blocks": {
@@ -382,8 +382,8 @@ def _init_blocks(rng, inputs):
 
 def _apply_blocks(params, rng, x):
   del rng
-  for i in range(2):
-    x = jax.numpy.tanh(x @ params["blocks"][i]["w"] + params["blocks"][i]["b"])
+  for block in params["blocks"].values():
+    x = jax.numpy.tanh(x @ block["w"] + block["b"])
   return x
 
 
@@ -418,6 +418,7 @@ def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path, make_o
     state, _ = trainer.step(state, (x, y))
     assert ckpt.save(trainer, state, {}, force=True)
     saved = jax.tree.map(np.asarray, trainer.params(state))
+    target = jax.eval_shape(trainer.export_state, state)  # (before the step donates it)
     straight = float(trainer.step(state, (x, y))[1]["loss"])
     for fresh_optimizer in (False, True):
       other = parstrat.FSDP(data=2)(model, make_optimizer())
@@ -439,3 +440,20 @@ def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path, make_o
       match=re.escape("params['blocks'][0]['b']: shape (6,), expected (5,)"),
     ):
       ckpt.restore(other)
+    # So is one with fewer layers, naming the saved layer it lacks (its key, read as an
+    # integer like the others: a dict of mixed keys, which JAX cannot sort, made restore
+    # call the checkpoint unreadable).
+    shallower = types.SimpleNamespace(
+      init=lambda rng, inputs: _init_blocks(rng, inputs, blocks=1), apply=_apply_blocks
+    )
+    other = parstrat.FSDP(data=2)(shallower, make_optimizer())
+    other.init(jax.random.key(1), x)
+    with pytest.raises(
+      parstrat.checkpoint.CheckpointDoesNotFit,
+      match=re.escape("params['blocks'][1]['b'] (shape (6,)) is not expected"),
+    ):
+      ckpt.restore(other)
+  # Plain orbax given the trainer's tree as its target reads the integer keys too (README).
+  plain = ocp.StandardCheckpointer().restore((tmp_path / "c" / "1" / "state").resolve(), target)
+  assert list(plain["params"]["blocks"]) == [0, 1]
+  jax.tree.map(np.testing.assert_array_equal, plain["params"], saved)

@@ -111,8 +111,18 @@ def _keys_as_in(saved: Any, template: Any) -> Any:
   an integer key (`{"blocks": {0: ..., 1: ...}}`, as an `nnx.List` of layers gives)
   reads back as `{"blocks": {"0": ..., "1": ...}}`. Where `template` has a key
   that is not text at the same place, and it reads as the saved one, the saved key
-  becomes the template's; every other key is left as saved. (Orbax's restore
-  itself goes by the template's tree, integer keys included.)
+  becomes the template's; in a dict where `template` has integer keys, every
+  saved key that reads as an integer becomes one (a saved layer the template
+  lacks is then named as such, not met as a dict of mixed keys, which JAX
+  cannot sort). Every other key is left as saved. (Orbax's restore itself goes
+  by the template's tree, integer keys included.)
+
+  Args:
+    saved: the tree orbax's `item_metadata` gives.
+    template: the tree the trainer restores into (any pytree).
+
+  Returns:
+    `saved`, its dicts with the keys renamed, its sequences as lists.
 
   Example:
     >>> _keys_as_in({"blocks": {"0": 1.0, "1": 2.0}}, {"blocks": {0: 0.0, 1: 0.0}})
@@ -125,13 +135,20 @@ def _keys_as_in(saved: Any, template: Any) -> Any:
   for path, _ in jax.tree_util.tree_leaves_with_path(template, is_leaf=is_empty):
     node = trie
     for entry in path:
-      key = next((getattr(entry, a) for a in ("key", "idx", "name") if hasattr(entry, a)), entry)
-      node = node.setdefault(key, {})
+      node = node.setdefault(trees.path_key(entry), {})
+
+  def key_of(key: Any, node: dict) -> Any:
+    if key in node or not isinstance(key, str):
+      return key
+    as_text = {str(k): k for k in node if not isinstance(k, str)}
+    if key in as_text:
+      return as_text[key]
+    integers = any(isinstance(k, int) for k in node)
+    return int(key) if integers and key.lstrip("-").isdigit() else key
 
   def rename(tree: Any, node: dict) -> Any:
     if isinstance(tree, dict):
-      as_text = {str(k): k for k in node if not isinstance(k, str)}
-      renamed = {as_text.get(k, k) if k not in node else k: v for k, v in tree.items()}
+      renamed = {key_of(k, node): v for k, v in tree.items()}
       return {k: rename(v, node.get(k, {})) for k, v in renamed.items()}
     if isinstance(tree, list | tuple):  # (orbax's metadata has no NamedTuples)
       return [rename(v, node.get(i, {})) for i, v in enumerate(tree)]

@@ -13,6 +13,19 @@ import numpy as np
 import optax
 
 
+def path_key(entry: Any) -> Any:
+  """The key a key-path entry stands for: a dict key, a sequence index or an attribute name.
+
+  Example:
+    >>> path_key(jax.tree_util.DictKey(0)), path_key(jax.tree_util.GetAttrKey("mu"))
+    (0, 'mu')
+  """
+  for attribute in ("key", "idx", "name"):
+    if hasattr(entry, attribute):
+      return getattr(entry, attribute)
+  return str(entry)
+
+
 def leaf_name(path: tuple) -> str:
   """`params['mlp/~/linear_0']['w']` for a key path, whatever the containers are.
 
@@ -20,14 +33,7 @@ def leaf_name(path: tuple) -> str:
   written alike, so the same leaf has the same name in a `TrainState`, in the
   dict `export_state` returns and in the plain tree orbax reads back.
   """
-  keys = []
-  for entry in path:
-    for attribute in ("key", "idx", "name"):
-      if hasattr(entry, attribute):
-        keys.append(getattr(entry, attribute))
-        break
-    else:
-      keys.append(str(entry))
+  keys = [path_key(entry) for entry in path]
   if not keys:
     return "<root>"
   head, rest = keys[0], keys[1:]
