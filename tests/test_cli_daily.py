@@ -83,6 +83,19 @@ def eval_model_of_other_params():
   return {"model": dropout_model()[0], "eval_model": model()[0]}
 
 
+def _centred(x):  # dropout_model's net, its hidden features centred: a sum over them
+  x = jax.nn.relu(hk.Linear(16)(x))
+  return hk.Linear(4)(x - x.mean(-1, keepdims=True))
+
+
+def eval_model_laid_out_otherwise():  # tensor splits the model's pair, not the eval model's
+  return {"model": dropout_model()[0], "eval_model": hk.transform(_centred)}
+
+
+def no_eval_data(batch_size, seed):
+  return data(batch_size, seed)[0], None
+
+
 def checks_its_width():  # the user's own check, in their model function
   raise ValueError("width must be even")
 
@@ -1248,21 +1261,34 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
                    "--dataset", "mymodel:data", "--seed", "0", "--checkpoint-dir", "ckpt",
                    "--out", "run") == 0  # fmt: skip
   user = sys.modules["mymodel"]
-  rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  (accuracy,) = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
-  # The same accuracy as the eval model computes by itself on the checkpoint's params.
-  checkpointer = ocp.StandardCheckpointer()
-  path = (tmp_path / "ckpt" / "2" / "state").resolve()
-  saved = checkpointer.metadata(path).item_metadata.tree
-  params = checkpointer.restore(path, jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved))[
-    "params"
-  ]
-  ((x, y),) = user.data(8, 0)[1]
-  logits = user.dropout_with_eval_model()["eval_model"].apply(params, None, x)
-  assert accuracy == int((np.argmax(logits, -1) == y).sum()) / len(y)
+
+  def accuracies(run, ckpt, model_fn):  # the run's, and the eval model's own on its params
+    rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    (accuracy,) = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+    checkpointer = ocp.StandardCheckpointer()
+    path = (tmp_path / ckpt / "2" / "state").resolve()
+    saved = checkpointer.metadata(path).item_metadata.tree
+    zeros = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved)
+    params = checkpointer.restore(path, zeros)["params"]
+    ((x, y),) = user.data(8, 0)[1]
+    logits = getattr(user, model_fn)()["eval_model"].apply(params, None, x)
+    return accuracy, int((np.argmax(logits, -1) == y).sum()) / len(y), params, x
+
+  accuracy, own, params, x = accuracies("run", "ckpt", "dropout_with_eval_model")
+  assert accuracy == own
   # (the eval model's: the training model, with its dropout, needs a key to apply at all)
   (model,) = set(evaluated)
-  np.testing.assert_array_equal(model.apply(params, None, x), logits)
+  np.testing.assert_array_equal(
+    model.apply(params, None, x),
+    user.dropout_with_eval_model()["eval_model"].apply(params, None, x),
+  )
+  # An eval model `tensor` lays out otherwise (it splits the model's pair, not the eval
+  # model's, which sums over the hidden features) runs on the trained params all the same.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_laid_out_otherwise",
+                   "--dataset", "mymodel:data", "--seed", "0", "--strategy", "tensor",
+                   "--checkpoint-dir", "ckpt_tensor", "--out", "tensor") == 0  # fmt: skip
+  accuracy, own, _, _ = accuracies("tensor", "ckpt_tensor", "eval_model_laid_out_otherwise")
+  assert accuracy == own
   # An eval model with other params is refused before training, naming the first leaf.
   capsys.readouterr()
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_of_other_params",
@@ -1272,6 +1298,13 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
     "--model-fn mymodel:eval_model_of_other_params: its eval_model has other params than its "
     "model: params['linear']['b'] is missing (expected shape (16,))"
   ) in err, err
+  # With no eval data, it is said to be unused.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_with_eval_model",
+                   "--dataset", "mymodel:no_eval_data") == 0  # fmt: skip
+  assert (
+    "--model-fn mymodel:dropout_with_eval_model: its eval_model not used, --dataset "
+    "mymodel:no_eval_data gives no eval data"
+  ) in capsys.readouterr().out.splitlines()
 
 
 def test_auto_on_the_command_line_measures_the_datasets_own_labels(tmp_path, monkeypatch):

@@ -1617,6 +1617,9 @@ def train(args: argparse.Namespace) -> dict:
     else:
       model, model_options = config.load_model(args.model_fn, seed=args.seed)
       eval_model = model_options.pop("eval_model", None)
+      if eval_model is not None and data.eval_batches is None:
+        say(f"--model-fn {args.model_fn}: its eval_model not used, --dataset {args.dataset} "
+            "gives no eval data")  # fmt: skip
       if args.hidden is not None:
         widths = " ".join(map(str, args.hidden))
         say(f"--hidden {widths}: not used, the model is --model-fn {args.model_fn}")
@@ -1830,12 +1833,20 @@ def _eval_trainer(args, trainer, state, eval_model, data, model_options, optimiz
   """A trainer of `eval_model` on `trainer`'s strategy and mesh, laid out only: its
   `apply` runs the eval model on `trainer`'s state.
 
-  Raises:
-    UsageError: if the eval model's params, or the layout the strategy gives them,
-      differ from the model's (named by the first leaf that differs).
-  """
-  import jax
+  Args:
+    args: the command line.
+    trainer: the run's trainer, initialised (or laid out).
+    state: its state (or abstract state), whose params the eval model must fit.
+    eval_model: `--model-fn`'s `eval_model`.
+    data, model_options, optimizer: those the run's trainer was built with.
 
+  Returns:
+    The eval model's trainer; pass it `trainer`'s states.
+
+  Raises:
+    UsageError: if the eval model's params differ from the model's (named by the
+      first leaf that differs).
+  """
   from parstrat._src import trees
 
   evaluator, laid_out, _ = _start(
@@ -1845,19 +1856,8 @@ def _eval_trainer(args, trainer, state, eval_model, data, model_options, optimiz
   mismatch = trees.first_mismatch({"params": laid_out.params}, {"params": state.params})
   if mismatch is not None:
     raise UsageError(f"{where} has other params than its model: {mismatch}")
-  named = lambda params: {  # noqa: E731
-    trees.leaf_name(path): x.sharding
-    for path, x in jax.tree_util.tree_leaves_with_path({"params": params})
-  }
-  want = named(state.params)
-  for name, sharding in named(laid_out.params).items():
-    if sharding != want[name]:
-      spec = lambda s: getattr(s, "spec", s)  # noqa: E731
-      raise UsageError(
-        f"{where} is laid out otherwise under {strategy_name(trainer.strategy)}: {name} "
-        f"{spec(sharding)}, the model's {spec(want[name])} (the strategy splits the two "
-        "models differently; give it an eval_model computed like the model)"
-      )
+  # (The strategy may lay the eval model's params out otherwise, e.g. `tensor` splitting
+  # a pair in one model and not in the other: its `apply` then moves them, as `jit` does.)
   return evaluator
 
 
