@@ -222,9 +222,17 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   for only in measured_shallow:
     assert only.peak_bytes is None
     assert "stages=4 exceeds the model's 2 layers" in only.problem
-  # The table says the refusal once, in full; the rows after it point at it.
+  # The table says the refusal once, in full; the rows after it point at it, also
+  # where the refusal names each candidate's strategy (its activation policy).
   rows = auto_lib.format_table(measured_shallow, None, "").splitlines()[2:5]
   assert "stages=4 exceeds the model's 2 layers" in rows[0]
+  assert [row.split()[-3:] for row in rows[1:]] == [["same", "as", "#1"]] * 2
+  dropout = hk.transform(lambda x: hk.Linear(10)(hk.dropout(hk.next_rng_key(), 0.5, x)))
+  refused = parstrat.Auto(
+    devices=jax.devices()[:2], candidates=("pipeline",), verbose=False
+  ).measure(dropout, optax.sgd(0.1), np.zeros((8, 4), np.float32))
+  rows = auto_lib.format_table(refused, None, "").splitlines()[2:5]
+  assert "cannot train a model that calls hk.next_rng_key()" in rows[0]
   assert [row.split()[-3:] for row in rows[1:]] == [["same", "as", "#1"]] * 2
   with pytest.raises(ValueError, match="^No candidate strategy can run this model: no candidate "
                      "could be built .*stages=4 exceeds"):  # fmt: skip

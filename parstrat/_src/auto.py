@@ -254,9 +254,17 @@ class Choice:
 def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -> str:
   """The ranked candidates as a table, then `reason`.
 
-  A problem already given in full on an earlier row is said as `same as #k` (a
-  pipeline's refusal is the same under each of its activation policies, and can
-  run to many lines' worth of text).
+  A problem already given in full on an earlier row (apart from the strategy's
+  repr in it) is said as `same as #k`: a pipeline's refusal is the same under
+  each of its activation policies, and can run to many lines' worth of text.
+
+  Args:
+    ranked: the candidates, in the order to list them.
+    budget: the memory budget in bytes per device, or None.
+    reason: the last line (why the first was chosen, or that none was).
+
+  Returns:
+    The table's lines, joined.
   """
   shown = "none" if budget is None else format_bytes(budget)
   first_row_saying: dict[str, int] = {}
@@ -267,10 +275,12 @@ def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -
   )
   for i, c in enumerate(ranked, 1):
     problem = c.problem
-    if problem in first_row_saying:
-      problem = f"same as #{first_row_saying[problem]}"
-    elif problem:
-      first_row_saying[problem] = i
+    # (the same apart from the strategy's own repr, which a refusal may begin with)
+    said = problem.replace(repr(c.strategy), "the strategy") if c.strategy else problem
+    if said in first_row_saying:
+      problem = f"same as #{first_row_saying[said]}"
+    elif said:
+      first_row_saying[said] = i
     if c.problem and c.peak_bytes is None:
       lines.append(
         f"{i:>2}  {c.label:<60} {'-':>12} {'-':>12} {'-':>9} {'-':>11} {'-':>10}  {problem}"
