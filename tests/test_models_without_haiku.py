@@ -344,6 +344,44 @@ def test_a_weight_on_the_left_as_equinox_multiplies_is_split_with_its_layer(stra
   assert ours.split_flops == flax_style.split_flops
 
 
+def _apply_pytorch_style(form):
+  """`_apply_weight_first` on the whole batch, its `[out, in]` weights multiplied as written
+  in code ported from PyTorch (`F.linear(x, w, b)` is `x @ w.T + b`)."""
+  matmuls = {
+    "einsum": lambda x, w: jnp.einsum("bi,oi->bo", x, w),  # the weight contracted on dim 1
+    "w @ x.T": lambda x, w: (w @ x.T).T,  # the input's transpose contracted on axis 0
+  }
+
+  def apply(params, rng, x):
+    del rng
+    for i in range(len(WIDTHS) - 1):
+      x = matmuls[form](x, params[f"Linear_{i}"]["weight"]) + params[f"Linear_{i}"]["bias"]
+      x = jax.nn.gelu(x) if i < len(WIDTHS) - 2 else x
+    return x
+
+  return apply
+
+
+@pytest.mark.parametrize("form", ["einsum", "w @ x.T"])
+def test_a_weight_held_out_by_in_is_split_however_the_matmul_is_written(form):
+  # A weight [out, in] contracted on its dim 1 from the right (`einsum("bi,oi->bo")`)
+  # was "not used as `x @ w`": the analysis took the weight's operand slot for its
+  # output dimension, so only `w @ x.T` with the weight on the left could hold one.
+  model = types.SimpleNamespace(init=_init_weight_first, apply=_apply_pytorch_style(form))
+  strategy = parstrat.TensorParallel(model=2)
+  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+    parstrat.testing.check_strategy(
+      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
+    )
+  trainer = strategy(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
+  assert specs["Linear_0"] == {"weight": P("model", None), "bias": P("model")}, specs
+  assert specs["Linear_1"] == {"weight": P(None, "model"), "bias": P()}, specs
+  assert specs["Linear_2"] == {"weight": P(), "bias": P()}, specs
+  assert "1 split group(s)" in trainer.plan.description
+
+
 def _bias_less_chain(widths, form="one vmap"):
   """Bias-less linear layers with gelu between them.
 

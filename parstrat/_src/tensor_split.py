@@ -10,9 +10,10 @@ followed value by value:
   the input, the output features leading), as an equinox `Linear`'s
   `weight @ x` is under `jax.vmap` (its input's last axis, or its leading one
   when the input is the `[features, batch]` output of the layer before, as in
-  bias-less `Linear`s under one `vmap`). Its output features are the weight's
-  other dimension: the output's last axis for `x @ w`, its leading one for
-  `w @ x.T`.
+  bias-less `Linear`s under one `vmap`). Either of the weight's dimensions may
+  be the one contracted (a PyTorch-style `[out, in]` weight in
+  `einsum("bi,oi->bo", x, w)`); its output features are the other one, and
+  land on the output's last axis for `x @ w`, its leading one for `w @ x.T`.
 * A linear layer whose output width `T` divides is tried *column-parallel*:
   its output is split by features. The split is followed forward through
   element-wise ops (activations, bias adds, which split the bias too, scaling
@@ -296,10 +297,10 @@ def _reshape_split(in_shape, out_shape, d: int, parts: int) -> int | None:
 class _Analysis:
   """The dataflow state of one round (a fixed set of column candidates)."""
 
-  def __init__(self, ops, kinds, origin, bias_dim, linear, out_dim, columns, parts, outputs, batch):
+  def __init__(self, ops, kinds, origin, bias_dim, linear, slot, columns, parts, outputs, batch):
     self.ops, self.kinds, self.origin, self.bias_dim = ops, kinds, origin, bias_dim
     self.linear, self.columns, self.parts, self.outputs = linear, columns, parts, outputs
-    self.out_dim = out_dim
+    self.slot = slot
     self.batch = batch
     self.split: dict[Any, int] = {}  # var -> split axis
     self.owner: dict[Any, int] = {}  # var -> group id (a column leaf)
@@ -364,7 +365,7 @@ class _Analysis:
         batch_axis = 1 if self._input_axis(op) == 0 else 0
         g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x, batch_axis)
         # The output features: last after `x @ w`, leading after `w @ x.T`.
-        axis = len(out.aval.shape) - 1 if self.out_dim[start] == 1 else 0
+        axis = len(out.aval.shape) - 1 if self.slot[start] == 1 else 0
         self.mark(out, axis, self.uf.find(start), _flops(op))
         continue
       split_ins = [v for v in op.ins if self._split(v)]
@@ -379,12 +380,12 @@ class _Analysis:
 
   def _input(self, op: _Op):
     """A linear layer's input: the operand that is not its weight."""
-    return op.ins[1 - self.out_dim[self.linear[id(op)]]]
+    return op.ins[1 - self.slot[self.linear[id(op)]]]
 
   def _input_axis(self, op: _Op) -> int:
     """The axis a linear layer contracts on its input (its input features)."""
     (lc, rc), _ = op.params["dimension_numbers"]
-    return (lc, rc)[1 - self.out_dim[self.linear[id(op)]]][0]
+    return (lc, rc)[1 - self.slot[self.linear[id(op)]]][0]
 
   def _width(self, v, batch_axis: int = 0) -> int:
     """Elements per example of `v`: its size over the batch, if `batch_axis` is that long."""
@@ -473,7 +474,7 @@ class _Analysis:
     out = op.outs[0]
     row = self.linear.get(id(op))
     if row is not None:  # a linear layer contracting the split features: row-parallel
-      side = self.out_dim[row]  # the weight's operand
+      side = self.slot[row]  # the weight's operand
       x, x_contract, w = op.ins[1 - side], (lc, rc)[1 - side], op.ins[side]
       if self._split(x) and not self._split(w) and tuple(x_contract) == (d,):
         g = self.groups[root]
@@ -599,8 +600,10 @@ def analyse(
   # Linear weights: 2-D leaves used exactly once, as `x @ w` or `w @ x.T`, contracting
   # one axis of the input (its last, or the leading one of a [features, batch] input).
   linear: dict[int, int] = {}  # id(dot op) -> leaf
-  # leaf -> its output-features dimension: 1 for `x @ w`, 0 for `w @ x.T`, which is also
-  # the weight's operand index (its input is the other operand).
+  # leaf -> its operand index (1 for `x @ w`, 0 for `w @ x.T`; its input is the other
+  # operand), and its output-features dimension, the one it does not contract (1 for a
+  # Haiku `w [in, out]`, 0 for a PyTorch-style `w [out, in]` as in `einsum("bi,oi", x, w)`).
+  slot: dict[int, int] = {}
   out_dim: dict[int, int] = {}
   why_not: dict[int, str] = {}
   for i, leaf in enumerate(leaves):
@@ -621,11 +624,11 @@ def analyse(
       continue
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
-    if lb or rb or tuple(w_contract) != (1 - side,) or len(x_contract) != 1:
+    if lb or rb or len(w_contract) != 1 or len(x_contract) != 1:
       why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on one axis of the input)"
       continue
     linear[id(op)] = i
-    out_dim[i] = side
+    slot[i], out_dim[i] = side, 1 - w_contract[0]
 
   columns = {i for i in linear.values() if leaves[i].shape[out_dim[i]] % parts == 0}
   for i in set(linear.values()) - columns:
@@ -633,7 +636,7 @@ def analyse(
     why_not[i] = f"replicated (its {width} outputs are not divisible by model={parts})"
   dropped: dict[int, str] = {}
   while True:
-    state = _Analysis(ops, kinds, origin, bias_dim, linear, out_dim, columns, parts, outputs, batch)
+    state = _Analysis(ops, kinds, origin, bias_dim, linear, slot, columns, parts, outputs, batch)
     state.run()
     bad = {}
     for root, g in state.groups.items():
