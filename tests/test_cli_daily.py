@@ -92,6 +92,23 @@ def eval_model_laid_out_otherwise():  # tensor splits the model's pair, not the 
   return {"model": dropout_model()[0], "eval_model": hk.transform(_centred)}
 
 
+def _batch_normed(x, is_training):
+  x = hk.BatchNorm(True, True, 0.9)(hk.Linear(16)(x), is_training)
+  return hk.Linear(4)(jax.nn.relu(x))
+
+
+def batch_norm_with_eval_model():  # the eval model cannot initialise: BatchNorm in eval mode
+  return {
+    "model": hk.transform_with_state(lambda x: _batch_normed(x, True)),
+    "loss_fn": model()[1],
+    "eval_model": hk.transform_with_state(lambda x: _batch_normed(x, False)),
+  }
+
+
+def eval_model_keeping_state():
+  return {"model": dropout_model()[0], "eval_model": batch_norm_with_eval_model()["eval_model"]}
+
+
 def no_eval_data(batch_size, seed):
   return data(batch_size, seed)[0], None
 
@@ -1269,9 +1286,14 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
     path = (tmp_path / ckpt / "2" / "state").resolve()
     saved = checkpointer.metadata(path).item_metadata.tree
     zeros = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved)
-    params = checkpointer.restore(path, zeros)["params"]
+    restored = checkpointer.restore(path, zeros)
+    params, model_state = restored["params"], restored.get("model_state")
     ((x, y),) = user.data(8, 0)[1]
-    logits = getattr(user, model_fn)()["eval_model"].apply(params, None, x)
+    eval_model = getattr(user, model_fn)()["eval_model"]
+    if model_state:  # (the trained BatchNorm statistics)
+      logits, _ = eval_model.apply(params, model_state, None, x)
+    else:
+      logits = eval_model.apply(params, None, x)
     return accuracy, int((np.argmax(logits, -1) == y).sum()) / len(y), params, x
 
   accuracy, own, params, x = accuracies("run", "ckpt", "dropout_with_eval_model")
@@ -1289,15 +1311,29 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
                    "--checkpoint-dir", "ckpt_tensor", "--out", "tensor") == 0  # fmt: skip
   accuracy, own, _, _ = accuracies("tensor", "ckpt_tensor", "eval_model_laid_out_otherwise")
   assert accuracy == own
+  # A BatchNorm model's eval model (is_training=False), which cannot initialise itself,
+  # runs on the trained params and statistics.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:batch_norm_with_eval_model",
+                   "--dataset", "mymodel:data", "--seed", "0", "--checkpoint-dir", "ckpt_bn",
+                   "--out", "bn") == 0  # fmt: skip
+  accuracy, own, _, _ = accuracies("bn", "ckpt_bn", "batch_norm_with_eval_model")
+  assert accuracy == own
   # An eval model with other params is refused before training, naming the first leaf.
   capsys.readouterr()
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_of_other_params",
                    "--dataset", "mymodel:data", "--out", "other") == 2  # fmt: skip
   err = capsys.readouterr().err
   assert (
-    "--model-fn mymodel:eval_model_of_other_params: its eval_model has other params than its "
-    "model: params['linear']['b'] is missing (expected shape (16,))"
+    "--model-fn mymodel:eval_model_of_other_params: its eval_model cannot run on the model's "
+    "params and state: Unable to retrieve parameter 'w' for module 'mlp/~/linear_0'"
   ) in err, err
+  assert not (tmp_path / "other" / "metrics.jsonl").exists()  # (refused before training)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_keeping_state",
+                   "--dataset", "mymodel:data") == 2  # fmt: skip
+  assert (
+    "--model-fn mymodel:eval_model_keeping_state: its eval_model keeps state and its model "
+    "keeps none: give both the same kind"
+  ) in capsys.readouterr().err
   # With no eval data, it is said to be unused.
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:dropout_with_eval_model",
                    "--dataset", "mymodel:no_eval_data") == 0  # fmt: skip

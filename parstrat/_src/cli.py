@@ -1829,14 +1829,19 @@ def _start(args, strategy, model, data, model_options, optimizer, *, abstract=Fa
   return trainer, state, sample
 
 
-def _eval_trainer(args, trainer, state, eval_model, data, model_options, optimizer):
-  """A trainer of `eval_model` on `trainer`'s strategy and mesh, laid out only: its
-  `apply` runs the eval model on `trainer`'s state.
+def _eval_trainer(args, model, trainer, eval_model, data, model_options, optimizer):
+  """A trainer on `trainer`'s strategy and mesh, laid out only, whose `apply` runs
+  `eval_model` on `trainer`'s state.
+
+  It initialises with `model`'s `init` (an eval model need not initialise: Haiku's
+  BatchNorm cannot in eval mode), so its state is `trainer`'s; the strategy may
+  lay the eval model's params out otherwise (`tensor` splitting a pair of the model
+  that the eval model sums over): its `apply` then moves them, as `jit` does.
 
   Args:
     args: the command line.
-    trainer: the run's trainer, initialised (or laid out).
-    state: its state (or abstract state), whose params the eval model must fit.
+    model: the model the run trains.
+    trainer: the run's trainer, initialised.
     eval_model: `--model-fn`'s `eval_model`.
     data, model_options, optimizer: those the run's trainer was built with.
 
@@ -1844,20 +1849,36 @@ def _eval_trainer(args, trainer, state, eval_model, data, model_options, optimiz
     The eval model's trainer; pass it `trainer`'s states.
 
   Raises:
-    UsageError: if the eval model's params differ from the model's (named by the
-      first leaf that differs).
+    UsageError: if the eval model keeps state and the model does not (or the
+      other way round), or cannot run on the model's params and state (its
+      message, naming the eval model).
   """
-  from parstrat._src import trees
+  import types
 
-  evaluator, laid_out, _ = _start(
-    args, trainer.strategy, eval_model, data, model_options, optimizer, abstract=True
-  )
+  import haiku as hk
+
   where = f"--model-fn {args.model_fn}: its eval_model"
-  mismatch = trees.first_mismatch({"params": laid_out.params}, {"params": state.params})
-  if mismatch is not None:
-    raise UsageError(f"{where} has other params than its model: {mismatch}")
-  # (The strategy may lay the eval model's params out otherwise, e.g. `tensor` splitting
-  # a pair in one model and not in the other: its `apply` then moves them, as `jit` does.)
+  stateful = [isinstance(m, hk.TransformedWithState) for m in (model, eval_model)]
+  if stateful[0] != stateful[1]:
+    keeps = lambda s: "keeps state" if s else "keeps none"  # noqa: E731
+    raise UsageError(
+      f"{where} {keeps(stateful[1])} and its model {keeps(stateful[0])}: give both the same "
+      "kind (hk.transform_with_state for both, or hk.transform)"
+    )
+  haiku = isinstance(model, hk.Transformed | hk.TransformedWithState)
+  kind = type(model) if haiku else types.SimpleNamespace
+  try:
+    evaluator, _, _ = _start(
+      args,
+      trainer.strategy,
+      kind(init=model.init, apply=eval_model.apply),
+      data,
+      model_options,
+      optimizer,
+      abstract=True,
+    )
+  except UsageError as e:
+    raise UsageError(f"{where} cannot run on the model's params and state: {e}") from None
   return evaluator
 
 
@@ -1905,7 +1926,7 @@ def _train_one(
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
   evaluator = trainer
   if eval_model is not None and data.eval_batches is not None:
-    evaluator = _eval_trainer(args, trainer, state, eval_model, data, model_options, optimizer)
+    evaluator = _eval_trainer(args, model, trainer, eval_model, data, model_options, optimizer)
   outputs = None if data.eval_batches is None else evaluator._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
