@@ -109,6 +109,22 @@ def eval_model_keeping_state():
   return {"model": dropout_model()[0], "eval_model": batch_norm_with_eval_model()["eval_model"]}
 
 
+def _five_layers(x, centre):
+  h = jax.nn.relu(hk.Linear(16, name="l0")(x))
+  h = h - h.mean(-1, keepdims=True) if centre else h  # (a sum over l0's features)
+  for name in ("l1", "l2"):
+    h = jax.nn.relu(hk.Linear(16, name=name)(h))
+  return hk.Linear(4, name="l4")(jax.nn.relu(hk.Linear(64, name="l3")(h)))
+
+
+def eval_model_split_otherwise():  # hybrid splits l0 -> l1 in the model, l1 -> l2 in this one
+  return {
+    "model": hk.transform(lambda x: _five_layers(x, False)),
+    "loss_fn": model()[1],
+    "eval_model": hk.transform(lambda x: _five_layers(x, True)),
+  }
+
+
 def no_eval_data(batch_size, seed):
   return data(batch_size, seed)[0], None
 
@@ -1279,11 +1295,11 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
                    "--out", "run") == 0  # fmt: skip
   user = sys.modules["mymodel"]
 
-  def accuracies(run, ckpt, model_fn):  # the run's, and the eval model's own on its params
+  def accuracies(run, ckpt, model_fn, step=2):  # the run's, and the eval model's own
     rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     (accuracy,) = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
     checkpointer = ocp.StandardCheckpointer()
-    path = (tmp_path / ckpt / "2" / "state").resolve()
+    path = (tmp_path / ckpt / str(step) / "state").resolve()
     saved = checkpointer.metadata(path).item_metadata.tree
     zeros = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), saved)
     restored = checkpointer.restore(path, zeros)
@@ -1310,6 +1326,18 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
                    "--dataset", "mymodel:data", "--seed", "0", "--strategy", "tensor",
                    "--checkpoint-dir", "ckpt_tensor", "--out", "tensor") == 0  # fmt: skip
   accuracy, own, _, _ = accuracies("tensor", "ckpt_tensor", "eval_model_laid_out_otherwise")
+  assert accuracy == own
+  assert "moves the state" not in capsys.readouterr().out  # (the params are the model's own)
+  # Under hybrid the params are stage buffers laid out from each model's own plan: one
+  # that splits other pairs read the wrong elements (0.297 where its own was 0.406, in a
+  # reviewer's run), or failed after training. The state is moved to its layout.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_split_otherwise",
+                   "--dataset", "mymodel:data", "--seed", "0", "--strategy", "hybrid",
+                   "--strategy-option", "data=1", "--strategy-option", "stages=2",
+                   "--strategy-option", "model=2", "--devices", "4", "--steps", "8",
+                   "--checkpoint-dir", "ckpt_hybrid", "--out", "hybrid") == 0  # fmt: skip
+  assert "each eval moves the state to its layout" in capsys.readouterr().out
+  accuracy, own, _, _ = accuracies("hybrid", "ckpt_hybrid", "eval_model_split_otherwise", step=8)
   assert accuracy == own
   # A BatchNorm model's eval model (is_training=False), which cannot initialise itself,
   # runs on the trained params and statistics.

@@ -1882,6 +1882,36 @@ def _eval_trainer(args, model, trainer, eval_model, data, model_options, optimiz
   return evaluator
 
 
+def _eval_state(trainer, evaluator, state, say):
+  """How `evaluator` (from `_eval_trainer`) reads `trainer`'s states.
+
+  Where the strategy stores the params in the model's own layout (`data_parallel`,
+  `fsdp`, `tensor`), the state itself: each leaf is the same array, which the eval
+  model's `apply` moves to its own sharding if it has another. Where it stores
+  them otherwise (a pipeline's stage buffers, laid out from each model's own
+  analysis: its cuts, its tensor-split pairs), also the state itself when the two
+  plans are the same; else the state moved to the eval model's layout at each
+  eval (`export_state`, then `import_state`), which is said once.
+
+  Returns:
+    A function of `trainer`'s state to the state `evaluator.apply` reads.
+  """
+  import jax
+
+  model_layout = jax.eval_shape(trainer.params, state)
+  shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
+  own_layout = jax.tree.structure(model_layout) == jax.tree.structure(state.params) and shapes(
+    model_layout
+  ) == shapes(state.params)
+  if own_layout or evaluator.plan.description == trainer.plan.description:
+    return lambda state: state
+  say(
+    f"eval: the eval_model's plan under {strategy_name(trainer.strategy)} is not the "
+    "model's (other stage cuts or split pairs): each eval moves the state to its layout"
+  )
+  return lambda state: evaluator.import_state(trainer.export_state(state))
+
+
 def _local_rows(args, trainer) -> slice:
   """The rows of each `--batch-size` batch this process loads (see `local_batch_rows`).
 
@@ -1924,9 +1954,10 @@ def _train_one(
 
   optimizer, lr_schedule = _optimizer(args, data)
   trainer, state, sample = _start(args, strategy, model, data, model_options, optimizer)
-  evaluator = trainer
+  evaluator, to_evaluator = trainer, lambda state: state
   if eval_model is not None and data.eval_batches is not None:
     evaluator = _eval_trainer(args, model, trainer, eval_model, data, model_options, optimizer)
+    to_evaluator = _eval_state(trainer, evaluator, state, say)
   outputs = None if data.eval_batches is None else evaluator._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
@@ -2046,7 +2077,7 @@ def _train_one(
     # A dropout model's eval key: the same for a step on every run, and not a training key.
     rng = jax.random.fold_in(jax.random.key(args.seed + 1), step)
     accuracy = run_data.eval_accuracy(
-      evaluator, state, data.eval_batches(), args.batch_size, rows, rng=rng
+      evaluator, to_evaluator(state), data.eval_batches(), args.batch_size, rows, rng=rng
     )
     if accuracy is not None:
       record({"step": step, "epoch": epoch + 1, "eval_accuracy": accuracy})
