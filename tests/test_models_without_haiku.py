@@ -344,10 +344,23 @@ def test_a_weight_on_the_left_as_equinox_multiplies_is_split_with_its_layer(stra
   assert ours.split_flops == flax_style.split_flops
 
 
+def _tensor_trainer_checked_against_jit(model):
+  """`TensorParallel(model=2)` on `model`, checked against single-device `jit` with SGD and
+  Adam; returns an SGD trainer of it and its initial state."""
+  strategy = parstrat.TensorParallel(model=2)
+  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
+    parstrat.testing.check_strategy(
+      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
+    )
+  trainer = strategy(model, optax.sgd(0.1))
+  return trainer, trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+
+
 def _apply_pytorch_style(form):
   """`_apply_weight_first` on the whole batch, its `[out, in]` weights multiplied as written
   in code ported from PyTorch (`F.linear(x, w, b)` is `x @ w.T + b`)."""
   matmuls = {
+    "x @ w.T": lambda x, w: x @ w.T,  # the weight transposed, then `x @ w`
     "einsum": lambda x, w: jnp.einsum("bi,oi->bo", x, w),  # the weight contracted on dim 1
     "w @ x.T": lambda x, w: (w @ x.T).T,  # the input's transpose contracted on axis 0
   }
@@ -362,19 +375,14 @@ def _apply_pytorch_style(form):
   return apply
 
 
-@pytest.mark.parametrize("form", ["einsum", "w @ x.T"])
+@pytest.mark.parametrize("form", ["x @ w.T", "einsum", "w @ x.T"])
 def test_a_weight_held_out_by_in_is_split_however_the_matmul_is_written(form):
   # A weight [out, in] contracted on its dim 1 from the right (`einsum("bi,oi->bo")`)
   # was "not used as `x @ w`": the analysis took the weight's operand slot for its
-  # output dimension, so only `w @ x.T` with the weight on the left could hold one.
+  # output dimension, so only `w @ x.T` with the weight on the left could hold one. And
+  # `x @ w.T` (how PyTorch's `F.linear` is ported) was "used by `transpose`".
   model = types.SimpleNamespace(init=_init_weight_first, apply=_apply_pytorch_style(form))
-  strategy = parstrat.TensorParallel(model=2)
-  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
-    parstrat.testing.check_strategy(
-      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
-    )
-  trainer = strategy(model, optax.sgd(0.1))
-  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  trainer, state = _tensor_trainer_checked_against_jit(model)
   specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
   assert specs["Linear_0"] == {"weight": P("model", None), "bias": P("model")}, specs
   assert specs["Linear_1"] == {"weight": P(None, "model"), "bias": P()}, specs
@@ -435,13 +443,7 @@ def test_bias_less_layers_chained_in_one_vmap_are_split_on_their_feature_major_i
   # something other than a linear layer's weight", the others "not used as `x @ w` or
   # `w @ x.T` on the input's last axis".
   model = _bias_less_chain(WIDTHS)
-  strategy = parstrat.TensorParallel(model=2)
-  for optimizer in (optax.sgd(0.1), optax.adam(1e-2)):
-    parstrat.testing.check_strategy(
-      strategy, model, {"optimizer": optimizer}, steps=2, batch=8, features=FEATURES
-    )
-  trainer = strategy(model, optax.sgd(0.1))
-  state = trainer.init(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  trainer, state = _tensor_trainer_checked_against_jit(model)
 
   def model_dims(param):  # the dimensions split over "model"
     return [d for d, entry in enumerate(param.sharding.spec) if "model" in jax.tree.leaves(entry)]

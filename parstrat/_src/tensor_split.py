@@ -11,8 +11,9 @@ followed value by value:
   `weight @ x` is under `jax.vmap` (its input's last axis, or its leading one
   when the input is the `[features, batch]` output of the layer before, as in
   bias-less `Linear`s under one `vmap`). Either of the weight's dimensions may
-  be the one contracted (a PyTorch-style `[out, in]` weight in
-  `einsum("bi,oi->bo", x, w)`); its output features are the other one, and
+  be the one contracted, and the weight may be transposed first (a
+  PyTorch-style `[out, in]` weight in `x @ w.T` or `einsum("bi,oi->bo", x,
+  w)`); its output features are its other dimension, and
   land on the output's last axis for `x @ w`, its leading one for `w @ x.T`.
 * A linear layer whose output width `T` divides is tried *column-parallel*:
   its output is split by features. The split is followed forward through
@@ -574,6 +575,7 @@ def analyse(
   origin: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars[:n])}  # a view of leaf i
   bias_dim: dict[Any, tuple[int, int]] = {}  # broadcast of a 1-D leaf: (leaf, output axis)
   uses: dict[int, list[_Op]] = {i: [] for i in range(n)}
+  transposed: set[Any] = set()  # views of a 2-D leaf with its two dimensions swapped
   for op in ops:
     in_kinds = {kinds.get(v, "const") for v in op.ins if _is_var(v)}
     kind = "act" if in_kinds & {"act", "input"} else "param" if "param" in in_kinds else "const"
@@ -582,6 +584,13 @@ def analyse(
     viewed = [origin[v] for v in op.ins if _is_var(v) and v in origin]
     if op.prim in _VIEW and len(op.ins) == 1 and viewed:
       origin[op.outs[0]] = viewed[0]
+      if op.ins[0] in transposed:
+        transposed.add(op.outs[0])
+      continue
+    if op.prim == "transpose" and viewed and tuple(op.params["permutation"]) == (1, 0):
+      origin[op.outs[0]] = viewed[0]  # (`x @ w.T`, as PyTorch's `F.linear` is ported)
+      if op.ins[0] not in transposed:  # (transposed twice: the leaf's own order again)
+        transposed.add(op.outs[0])
       continue
     if op.prim == "broadcast_in_dim" and viewed and len(leaves[viewed[0]].shape) == 1:
       bias_dim[op.outs[0]] = (viewed[0], op.params["broadcast_dimensions"][0])
@@ -628,7 +637,8 @@ def analyse(
       why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on one axis of the input)"
       continue
     linear[id(op)] = i
-    slot[i], out_dim[i] = side, 1 - w_contract[0]
+    contracted = 1 - w_contract[0] if op.ins[side] in transposed else w_contract[0]
+    slot[i], out_dim[i] = side, 1 - contracted
 
   columns = {i for i in linear.values() if leaves[i].shape[out_dim[i]] % parts == 0}
   for i in set(linear.values()) - columns:
