@@ -388,6 +388,12 @@ def test_a_weight_held_out_by_in_is_split_however_the_matmul_is_written(form):
   assert specs["Linear_1"] == {"weight": P(None, "model"), "bias": P()}, specs
   assert specs["Linear_2"] == {"weight": P(), "bias": P()}, specs
   assert "1 split group(s)" in trainer.plan.description
+  # The plan's costs are those of `x @ w`: the model's input, transposed or not, needs
+  # no backward all-reduce (`(w @ x.T).T` counted its 12 features).
+  sample = jnp.zeros((8, FEATURES))
+  ours, flax_style = (parstrat.tensor_split_plan(m, sample) for m in (model, FLAX_STYLE))
+  assert [g.reduce_widths for g in ours.groups] == [(16, 0)]
+  assert ours.split_flops == flax_style.split_flops
 
 
 def _bias_less_chain(widths, form="one vmap"):

@@ -578,7 +578,16 @@ def analyse(
   transposed: set[Any] = set()  # views of a 2-D leaf with its two dimensions swapped
   for op in ops:
     in_kinds = {kinds.get(v, "const") for v in op.ins if _is_var(v)}
-    kind = "act" if in_kinds & {"act", "input"} else "param" if "param" in in_kinds else "const"
+    # (a value made of the inputs alone stays "input": it needs no gradient, e.g. `x.T`)
+    kind = (
+      "input"
+      if in_kinds - {"const"} == {"input"}
+      else "act"
+      if in_kinds & {"act", "input"}
+      else "param"
+      if "param" in in_kinds
+      else "const"
+    )
     for v in op.outs:
       kinds[v] = kind
     viewed = [origin[v] for v in op.ins if _is_var(v) and v in origin]
