@@ -229,11 +229,14 @@ def test_candidates_that_cannot_run_are_listed_with_the_reason(measured):
   assert [row.split()[-3:] for row in rows[1:]] == [["same", "as", "#1"]] * 2
   dropout = hk.transform(lambda x: hk.Linear(10)(hk.dropout(hk.next_rng_key(), 0.5, x)))
   refused = parstrat.Auto(
-    devices=jax.devices()[:2], candidates=("pipeline",), verbose=False
+    devices=jax.devices()[:4], candidates=("pipeline", "hybrid"), verbose=False
   ).measure(dropout, optax.sgd(0.1), np.zeros((8, 4), np.float32))
-  rows = auto_lib.format_table(refused, None, "").splitlines()[2:5]
+  rows = auto_lib.format_table(refused, None, "").splitlines()[2:-1]
+  assert [row.split()[1] for row in rows[:4]] == ["pipeline"] * 3 + ["hybrid"]
   assert "cannot train a model that calls hk.next_rng_key()" in rows[0]
-  assert [row.split()[-3:] for row in rows[1:]] == [["same", "as", "#1"]] * 2
+  assert [row.split()[-3:] for row in rows[1:3]] == [["same", "as", "#1"]] * 2
+  assert "Hybrid(" in rows[3] and "cannot train a model that calls" in rows[3]  # (its own)
+  assert {tuple(row.split()[-3:]) for row in rows[4:]} == {("same", "as", "#4")}
   with pytest.raises(ValueError, match="^No candidate strategy can run this model: no candidate "
                      "could be built .*stages=4 exceeds"):  # fmt: skip
     auto_lib.rank(measured_shallow, None)

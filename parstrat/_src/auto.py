@@ -254,8 +254,8 @@ class Choice:
 def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -> str:
   """The ranked candidates as a table, then `reason`.
 
-  A problem already given in full on an earlier row (apart from the strategy's
-  repr in it) is said as `same as #k`: a pipeline's refusal is the same under
+  A problem already given in full on an earlier row of the same strategy (apart
+  from the strategy's repr in it) is said as `same as #k`: a pipeline's refusal is the same under
   each of its activation policies, and can run to many lines' worth of text.
 
   Args:
@@ -275,11 +275,12 @@ def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -
   )
   for i, c in enumerate(ranked, 1):
     problem = c.problem
-    # (the same apart from the strategy's own repr, which a refusal may begin with)
-    said = problem.replace(repr(c.strategy), "the strategy") if c.strategy else problem
+    # (the same apart from the strategy's own repr, which a refusal may begin with; a
+    # row points only at one of its own strategy's: a pipeline's not at a hybrid's)
+    said = (c.name, problem.replace(repr(c.strategy), "the strategy") if c.strategy else problem)
     if said in first_row_saying:
       problem = f"same as #{first_row_saying[said]}"
-    elif said:
+    elif problem:
       first_row_saying[said] = i
     if c.problem and c.peak_bytes is None:
       lines.append(
