@@ -457,3 +457,27 @@ def test_a_model_with_layers_under_integer_keys_resumes_exactly(tmp_path, make_o
   plain = ocp.StandardCheckpointer().restore((tmp_path / "c" / "1" / "state").resolve(), target)
   assert list(plain["params"]["blocks"]) == [0, 1]
   jax.tree.map(np.testing.assert_array_equal, plain["params"], saved)
+
+
+def test_a_fault_in_the_comparison_is_not_taken_for_a_damaged_checkpoint(tmp_path, monkeypatch):
+  # Both faults of the integer-key fix (a dict of mixed keys, which JAX cannot sort) came
+  # out as "No intact checkpoint ... step 1 cannot be read": every checkpoint was skipped
+  # as damaged, and the CLI's --resume refused the run.
+  from parstrat._src import trees
+
+  model = types.SimpleNamespace(init=_init_blocks, apply=_apply_blocks)
+  x = np.zeros((8, 6), np.float32)
+  trainer = parstrat.DataParallel(data=2)(model, optax.sgd(0.1))
+  state = trainer.init(jax.random.key(0), x)
+  with Checkpointer(tmp_path / "c") as ckpt:
+    assert ckpt.save(trainer, state, {}, force=True)
+
+    def faulty(got, want):
+      raise TypeError("'<' not supported between instances of 'str' and 'int'")
+
+    with monkeypatch.context() as patch:
+      patch.setattr(trees, "first_mismatch", faulty)
+      with pytest.raises(RuntimeError, match="a fault in parstrat and not in the checkpoint"):
+        ckpt.restore(trainer)
+    restored, _ = ckpt.restore(trainer)  # (left as it is)
+    jax.tree.map(np.testing.assert_array_equal, trainer.params(restored), trainer.params(state))

@@ -157,6 +157,11 @@ def _keys_as_in(saved: Any, template: Any) -> Any:
   return rename(saved, trie)
 
 
+class _ComparisonFailed(RuntimeError):
+  """Comparing a verified checkpoint's tree with the trainer's raised: a fault in parstrat,
+  raised as it is rather than taken for a damaged checkpoint (and skipped)."""
+
+
 class Checkpointer:
   """Saves and restores training state every `save_every` steps, keeping the last `keep`.
 
@@ -461,6 +466,8 @@ class Checkpointer:
         optimizer state does not fit `trainer`'s (unless `fresh_optimizer`).
       CheckpointError: if no checkpoint can be restored (or the given `step`
         is damaged).
+      RuntimeError: if comparing an intact checkpoint's tree with the trainer's
+        raises: a fault in parstrat, not taken for a damaged checkpoint.
     """
     steps = sorted(self.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
@@ -480,7 +487,7 @@ class Checkpointer:
         try:
           with _quiet_orbax_callbacks_after_a_failed_read():
             restored = self._restore(candidate, template, abstract, fresh_optimizer)
-        except CheckpointDoesNotFit:
+        except (CheckpointDoesNotFit, _ComparisonFailed):
           raise
         except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
           first = first_line(e)
@@ -520,18 +527,18 @@ class Checkpointer:
     described = "; ".join(f"step {s} {why}" for s, why in skipped)
     raise CheckpointError(f"No intact checkpoint in {self.directory}: {described}.")
 
-  def _restore(self, step: int, template: Any, abstract: Any, fresh_optimizer: bool) -> dict:
-    """Reads one checkpoint after checking its saved tree against `template`.
+  def _check_fits(
+    self, step: int, saved: Any, template: Any, abstract: Any, fresh_optimizer: bool
+  ) -> tuple[Any, Any]:
+    """Compares orbax's saved tree with `template`; notes the dtypes it casts (`_cast`).
 
-    With `fresh_optimizer`, the saved optimizer state is left unread (orbax's
-    partial restore), whatever its layout.
+    Returns:
+      `(template, abstract)`, without the optimizer state under `fresh_optimizer`.
+
+    Raises:
+      CheckpointDoesNotFit, OptimizerDoesNotFit: naming the first leaf that differs.
     """
-    saved = self._manager.item_metadata(step)["state"]
-    if saved is None:
-      raise OSError("orbax finds no saved state")
-    # (zero-size leaves are saved as None: `_without_empty`)
-    template, abstract = _without_empty(template), _without_empty(abstract)
-    saved_tree = _keys_as_in(saved.tree, template)  # (integer keys were saved as text)
+    saved_tree = _keys_as_in(saved, template)  # (integer keys were saved as text)
     # The params first: a different model is best named by its first layer.
     mismatch = trees.first_mismatch(
       {"params": saved_tree.get("params")}, {"params": template["params"]}
@@ -559,6 +566,29 @@ class Checkpointer:
         f"The checkpoint at step {step} fits this model's params but not this trainer's "
         f"training state: {mismatch}."
       )
+    return template, abstract
+
+  def _restore(self, step: int, template: Any, abstract: Any, fresh_optimizer: bool) -> dict:
+    """Reads one checkpoint after checking its saved tree against `template`.
+
+    With `fresh_optimizer`, the saved optimizer state is left unread (orbax's
+    partial restore), whatever its layout.
+    """
+    saved = self._manager.item_metadata(step)["state"]
+    if saved is None:
+      raise OSError("orbax finds no saved state")
+    # (zero-size leaves are saved as None: `_without_empty`)
+    template, abstract = _without_empty(template), _without_empty(abstract)
+    try:
+      template, abstract = self._check_fits(step, saved.tree, template, abstract, fresh_optimizer)
+    except CheckpointDoesNotFit:
+      raise
+    except Exception as e:  # noqa: BLE001 - parstrat's own code, on a verified tree
+      raise _ComparisonFailed(
+        f"Comparing the checkpoint at step {step} in {self.directory} with this trainer's "
+        f"state failed, a fault in parstrat and not in the checkpoint, which is left as it "
+        f"is: {type(e).__name__}: {first_line(e)}"
+      ) from e
     if fresh_optimizer:  # the same files, read as a plain PyTree without opt_state
       with ocp.PyTreeCheckpointer() as reader:
         state = reader.restore(
