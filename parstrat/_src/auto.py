@@ -267,7 +267,7 @@ def format_table(ranked: Sequence[Candidate], budget: int | None, reason: str) -
     The table's lines, joined.
   """
   shown = "none" if budget is None else format_bytes(budget)
-  first_row_saying: dict[str, int] = {}
+  first_row_saying: dict[tuple[str, str], int] = {}  # (strategy, reason) -> its row
   lines = [f"parstrat auto: {len(ranked)} candidates, memory budget {shown} per device"]
   lines.append(
     f"{'#':>2}  {'candidate':<60} {'peak/device':>12} {'state/device':>12} "

@@ -1898,11 +1898,10 @@ def _eval_state(trainer, evaluator, state, say):
   """
   import jax
 
+  from parstrat._src import optimizer_probe
+
   model_layout = jax.eval_shape(trainer.params, state)
-  shapes = lambda tree: [x.shape for x in jax.tree.leaves(tree)]  # noqa: E731
-  own_layout = jax.tree.structure(model_layout) == jax.tree.structure(state.params) and shapes(
-    model_layout
-  ) == shapes(state.params)
+  own_layout = optimizer_probe.stores_model_layout(trainer.plan, model_layout)
   if own_layout or evaluator.plan.description == trainer.plan.description:
     return lambda state: state
   say(

@@ -26,7 +26,10 @@ from parstrat._src import trees
 from parstrat._src.messages import first_line
 
 
-def _same_layout(plan, abstract_params) -> bool:
+def stores_model_layout(plan, abstract_params) -> bool:
+  """Whether `plan` stores params (like `abstract_params`, the model's) in their own layout:
+  the same tree, shapes and dtypes (`data_parallel`, `fsdp`, `tensor`), not, e.g., a
+  pipeline's stage buffers."""
   stored = jax.eval_shape(plan.to_stored, abstract_params)
   shapes = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
   return jax.tree.structure(stored) == jax.tree.structure(abstract_params) and shapes(
@@ -83,7 +86,7 @@ def needs_model_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> 
   if plan.optimizer_view is None:
     check_layout(optimizer, plan, abstract_params, strategy)
     return False
-  if _same_layout(plan, abstract_params):
+  if stores_model_layout(plan, abstract_params):
     return False
   return bool(_detail(optimizer, plan, abstract_params, strategy))
 
@@ -120,7 +123,7 @@ def check_layout(optimizer, plan, abstract_params: Any, strategy: Any) -> None:
       stored layout (e.g. a mask function that reads Haiku module names); or if
       the plan's `to_params` does not give back what its `to_stored` took.
   """
-  if _same_layout(plan, abstract_params):
+  if stores_model_layout(plan, abstract_params):
     return
   detail = _detail(optimizer, plan, abstract_params, strategy)
   if detail:
