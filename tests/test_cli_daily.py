@@ -125,6 +125,10 @@ def eval_model_split_otherwise():  # hybrid splits l0 -> l1 in the model, l1 -> 
   }
 
 
+def eval_model_alike():  # the same layers, its logits halved: hybrid lays it out alike
+  return {**eval_model_split_otherwise(), "eval_model": hk.transform(lambda x: _five_layers(x, False) / 2)}
+
+
 def no_eval_data(batch_size, seed):
   return data(batch_size, seed)[0], None
 
@@ -1338,6 +1342,15 @@ def test_an_eval_model_evaluates_the_trained_params(tmp_path, monkeypatch, capsy
                    "--checkpoint-dir", "ckpt_hybrid", "--out", "hybrid") == 0  # fmt: skip
   assert "each eval moves the state to its layout" in capsys.readouterr().out
   accuracy, own, _, _ = accuracies("hybrid", "ckpt_hybrid", "eval_model_split_otherwise", step=8)
+  assert accuracy == own
+  # One whose buffers are provably the model's (equal layouts) reads the state as it is.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_alike",
+                   "--dataset", "mymodel:data", "--seed", "0", "--strategy", "hybrid",
+                   "--strategy-option", "data=1", "--strategy-option", "stages=2",
+                   "--strategy-option", "model=2", "--devices", "4", "--steps", "8",
+                   "--checkpoint-dir", "ckpt_alike", "--out", "alike") == 0  # fmt: skip
+  assert "moves the state" not in capsys.readouterr().out
+  accuracy, own, _, _ = accuracies("alike", "ckpt_alike", "eval_model_alike", step=8)
   assert accuracy == own
   # A BatchNorm model's eval model (is_training=False), which cannot initialise itself,
   # runs on the trained params and statistics.

@@ -1882,6 +1882,22 @@ def _eval_trainer(args, model, trainer, eval_model, data, model_options, optimiz
   return evaluator
 
 
+def _stores_alike(plan, other) -> bool:
+  """Whether two plans provably store the same params alike: the same stored specs, and
+  `to_stored` the method of two equal layout objects (frozen dataclasses, such as a
+  pipeline's `FlatLayout` and `SplitLayout`, whose fields fix every element's place).
+  False where that cannot be told (another kind of `to_stored`), though they may."""
+  import dataclasses
+
+  layouts = [getattr(p.to_stored, "__self__", None) for p in (plan, other)]
+  return (
+    dataclasses.is_dataclass(layouts[0])
+    and type(layouts[0]) is type(layouts[1])
+    and layouts[0] == layouts[1]
+    and plan.param_spec == other.param_spec
+  )
+
+
 def _eval_state(trainer, evaluator, state, say):
   """How `evaluator` (from `_eval_trainer`) reads `trainer`'s states.
 
@@ -1890,8 +1906,9 @@ def _eval_state(trainer, evaluator, state, say):
   model's `apply` moves to its own sharding if it has another. Where it stores
   them otherwise (a pipeline's stage buffers, laid out from each model's own
   analysis: its cuts, its tensor-split pairs), also the state itself when the two
-  plans are the same; else the state moved to the eval model's layout at each
-  eval (`export_state`, then `import_state`), which is said once.
+  plans provably store alike (`_stores_alike`); else the state moved to the eval
+  model's layout at each eval (`export_state`, then `import_state`), which is
+  said once.
 
   Returns:
     A function of `trainer`'s state to the state `evaluator.apply` reads.
@@ -1902,7 +1919,7 @@ def _eval_state(trainer, evaluator, state, say):
 
   model_layout = jax.eval_shape(trainer.params, state)
   own_layout = optimizer_probe.stores_model_layout(trainer.plan, model_layout)
-  if own_layout or evaluator.plan.description == trainer.plan.description:
+  if own_layout or _stores_alike(trainer.plan, evaluator.plan):
     return lambda state: state
   say(
     f"eval: the eval_model's plan under {strategy_name(trainer.strategy)} is not the "
