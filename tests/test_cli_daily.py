@@ -126,7 +126,8 @@ def eval_model_split_otherwise():  # hybrid splits l0 -> l1 in the model, l1 -> 
 
 
 def eval_model_alike():  # the same layers, its logits halved: hybrid lays it out alike
-  return {**eval_model_split_otherwise(), "eval_model": hk.transform(lambda x: _five_layers(x, False) / 2)}
+  halved = hk.transform(lambda x: _five_layers(x, False) / 2)
+  return {**eval_model_split_otherwise(), "eval_model": halved}
 
 
 def no_eval_data(batch_size, seed):

@@ -122,7 +122,9 @@ EXPECTED = {
   ("pipeline:2", "cnn", "sgd_momentum"): MATCH,
   ("pipeline:4,gpipe", "lm", "clip_sgd"): TIED_REFUSAL,
   ("pipeline:2", "lm_untied", "sgd_momentum"): MATCH,
-  ("pipeline:4,gpipe", "shared", "adam"): "layers 'shared' and 'middle' are used interleaved",
+  ("pipeline:4,gpipe", "shared", "adam"): (
+    "the parameters of 'shared' are used both before and after layer 'middle'"
+  ),
   ("pipeline:2", "shared", "clip_sgd"): MATCH,
   ("pipeline:2,exchange2", "lm_untied", "adam"): MATCH,
   ("pipeline:2,exchange2", "residual_mlp", "sgd_momentum"): MATCH,

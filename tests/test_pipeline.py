@@ -149,6 +149,34 @@ def test_time_major_activations_are_not_cut():
     pipeline.plan_stages(_apply(model), params, x, 4)
 
 
+def test_a_weight_read_after_the_next_layer_is_named_tied_and_alternating_layers_interleaved():
+  # An LM head reusing the embedding just before the only cut: the embedding's params are
+  # read after the next layer is done, which is a tied weight (it was called "used
+  # interleaved"). Two layers run in turn (a, b, a, b) are interleaved.
+  def tied(tokens):
+    embed = hk.Embed(16, 8, name="embed")
+    x = jax.nn.relu(hk.Linear(8, name="mlp")(embed(tokens)))
+    return x @ embed.embeddings.T
+
+  def alternating(x):
+    a, b = hk.Linear(8, name="a"), hk.Linear(8, name="b")
+    for _ in range(2):
+      x = jax.nn.relu(b(jax.nn.relu(a(x))))
+    return hk.Linear(4, name="head")(x)
+
+  for net, x, why in [
+    (tied, jax.ShapeDtypeStruct((2, 3), jnp.int32),
+     r"the parameters of 'embed' are used both before and after layer 'mlp' \(a weight "
+     "shared or tied"),
+    (alternating, jax.ShapeDtypeStruct((2, 8), jnp.float32),
+     r"layers 'a' and 'b' are used interleaved"),
+  ]:  # fmt: skip
+    model = hk.transform(net)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"Cannot cut before layer 1: " + why):
+      pipeline.plan_stages(_apply(model), params, x, 2, cuts=(1,))
+
+
 def test_a_cond_given_the_parameters_is_named_as_the_reason_no_cut_exists():
   # hk.cond passes every parameter into its `cond`: each layer then looked read on both
   # sides of every cut, and the refusal blamed weights "shared or tied across the cut".

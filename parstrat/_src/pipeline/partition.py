@@ -468,7 +468,10 @@ def _boundary_cut(
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
     again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
-    if again != [a]:  # an earlier layer comes back: a shared or tied weight
+    # An earlier layer comes back (a shared or tied weight), or the one before the cut
+    # is read again once the next is done (a head reusing the embedding just before it);
+    # else the two alternate (a, b, a, b).
+    if again != [a] or analysis.last_read[order[k - 1]] > analysis.last_read[order[k]]:
       return None, _tied_reason(again, [b]), tuple(again)
     return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})", ()
   # (a stage boundary carries one batch-leading value: [B, ...], not a time-major [T, B, ...])
