@@ -168,6 +168,10 @@ def test_each_device_holds_its_stage_and_one_tth_of_each_split_weight():
     "consumed by mlp/~/linear_4)" in text
   )
   assert "stage 1: mlp/~/linear_4: row-parallel" in text
+  assert (
+    f"per-device parameter buffers: {max(split_sizes):,} split + "
+    f"{max(replicated_sizes):,} replicated elements" in text
+  )
 
 
 def test_a_width_model_does_not_divide_is_replicated_and_still_trains():
@@ -186,6 +190,13 @@ def test_a_width_model_does_not_divide_is_replicated_and_still_trains():
   parstrat.testing.check_strategy(
     strategy, model, [optax.sgd(0.1)], steps=2, batch=16, features=FEATURES
   )
+  # With nothing split (one layer per stage), the plan says 0 split elements (it said
+  # 1: the split buffer's least size).
+  trainer = strategy.__class__(data=2, stages=2, model=2)(mlp([21, 10]), optax.sgd(0.1))
+  trainer.init(jax.random.key(0), images[0][:1])
+  text = trainer.plan.description
+  assert "0 split group(s)" in text
+  assert f"buffers: 0 split + {FEATURES * 21 + 21:,} replicated elements" in text
 
 
 def test_mesh_shapes_and_bad_model_sizes():

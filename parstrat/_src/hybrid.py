@@ -153,8 +153,10 @@ def make_pipeline_plan(
 
   sizes = layout.stage_sizes
   if parts > 1:
+    # (the split buffer keeps at least one element, also with nothing split)
+    split = layout.split_size if any(d is not None for d in layout.split_dims) else 0
     buffers = (
-      f"per-device parameter buffers: {layout.split_size:,} split + "
+      f"per-device parameter buffers: {split:,} split + "
       f"{layout.replicated_size:,} replicated elements (largest stage {max(sizes):,})\n"
       f"{notes}\n"
     )
