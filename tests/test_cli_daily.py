@@ -130,6 +130,11 @@ def eval_model_alike():  # the same layers, its logits halved: hybrid lays it ou
   return {**eval_model_split_otherwise(), "eval_model": halved}
 
 
+def eval_model_of_other_outputs():  # [B, 4, 1] where the labels are [B]
+  halved = hk.transform(lambda x: _dropout_net(x, False)[..., None])
+  return {**dropout_with_eval_model(), "eval_model": halved}
+
+
 def no_eval_data(batch_size, seed):
   return data(batch_size, seed)[0], None
 
@@ -1028,6 +1033,11 @@ def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, c
                    "--data-dir", "nowhere") == 0  # fmt: skip
   out = capsys.readouterr().out
   assert out.count("eval: no accuracy: the eval data must be a non-empty iterable of") == 1
+  # ... and the reason, the first batch at fault named.
+  assert (
+    "labels) pairs whose labels match the model's outputs (one class score per label): "
+    "eval batch 1 is an array float32[50, 12], not an (inputs, labels) pair"
+  ) in out, out
   # (flags a dataset function does not read were passed over without a word)
   assert (
     "--source sample, --data-dir nowhere: not used, the data is --dataset mymodel:one_eval_pair"
@@ -1038,6 +1048,18 @@ def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, c
   assert (
     "eval: no accuracy: --dataset mymodel:no_eval_batches gave no eval batches (at --batch-size 8)"
   ) in capsys.readouterr().out.splitlines()
+  # An eval model whose outputs do not fit the labels is named with both shapes (the
+  # data was blamed alone).
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_of_other_outputs",
+                   "--dataset", "mymodel:data") == 0  # fmt: skip
+  out = capsys.readouterr().out
+  assert (
+    "pairs whose labels match the eval_model's outputs (one class score per label): eval "
+    "batch 1's labels int32[50] do not match the eval_model's outputs float32[50, 4, 1] (for "
+    "those labels: [50, 'classes'])"
+  ) in out
+  # (its last axis, 1 wide, was taken for its classes: "33 label(s) outside [0, 1)")
+  assert "outside [0, 1)" not in out
 
 
 def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(

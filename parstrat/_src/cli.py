@@ -1928,6 +1928,32 @@ def _eval_state(trainer, evaluator, state, say):
   return lambda state: evaluator.import_state(trainer.export_state(state))
 
 
+def _no_accuracy_reason(evaluator, batches, who: str) -> str:
+  """Why `run_data.eval_accuracy` gave no accuracy on `batches`: the first batch at fault
+  and what is wrong with it (`who` names the model whose outputs were compared)."""
+  import jax
+  import numpy as np
+
+  shapes = lambda tree: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)  # noqa: E731
+  for index, batch in enumerate(batches, 1):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+      what = f"an array {shapes(batch)}" if hasattr(batch, "shape") else type(batch).__name__
+      return f"eval batch {index} is {what}, not an (inputs, labels) pair"
+    labels = np.asarray(batch[1])
+    if not np.issubdtype(labels.dtype, np.integer):
+      return f"eval batch {index}'s labels are {labels.dtype}, not integer class ids"
+    try:
+      outputs = evaluator._abstract_outputs(batch[0])  # noqa: SLF001
+    except Exception as e:  # noqa: BLE001 (a reason, not a failure: the run goes on)
+      return f"{who} cannot run on eval batch {index}'s inputs ({type(e).__name__}: {e})"
+    if tuple(getattr(outputs, "shape", (None,))[:-1]) != labels.shape:
+      return (
+        f"eval batch {index}'s labels {shapes(labels)} do not match {who}'s outputs "
+        f"{shapes(outputs)} (for those labels: {[*labels.shape, 'classes']})"
+      )
+  return "no batch gave one"
+
+
 def _local_rows(args, trainer) -> slice:
   """The rows of each `--batch-size` batch this process loads (see `local_batch_rows`).
 
@@ -1974,11 +2000,14 @@ def _train_one(
   if eval_model is not None and data.eval_batches is not None:
     evaluator = _eval_trainer(args, model, trainer, eval_model, data, model_options, optimizer)
     to_evaluator = _eval_state(trainer, evaluator, state, say)
+  who = "the model" if evaluator is trainer else "the eval_model"  # (whose outputs are read)
   outputs = None if data.eval_batches is None else evaluator._abstract_outputs(sample)  # noqa: SLF001
   if getattr(outputs, "shape", None):
     # An eval label the model cannot predict counts as wrong: with the default loss
     # (training refuses such labels) it is a mistake in the data, named before training.
-    outside = run_data.eval_label_outside(data.eval_batches(), outputs.shape[-1])
+    outside = run_data.eval_label_outside(
+      data.eval_batches(), len(outputs.shape), outputs.shape[-1], who
+    )
     if outside and trainer.uses_default_loss:
       raise UsageError(f"{outside}; training stops on such labels too")
     if outside:  # (a loss of one's own may skip them, e.g. -1 for padding)
@@ -2108,7 +2137,8 @@ def _train_one(
       else:
         say(
           "eval: no accuracy: the eval data must be a non-empty iterable of (inputs, integer "
-          "labels) pairs whose labels match the model's outputs (one class score per label)"
+          f"labels) pairs whose labels match {who}'s outputs (one class score per label): "
+          + _no_accuracy_reason(evaluator, batches, who)
         )
     return accuracy
 

@@ -302,12 +302,15 @@ def load(
   return from_tfds(spec, data_dir=data_dir, batch_size=batch_size, seed=seed)
 
 
-def eval_label_outside(batches: Iterable[Any], classes: int) -> str | None:
+def eval_label_outside(
+  batches: Iterable[Any], outputs_rank: int, classes: int, who: str = "the model"
+) -> str | None:
   """Names the first integer eval label outside `[0, classes)`, or None if there is none.
 
   Such a label can never be predicted, so `eval_accuracy` counts it as wrong.
-  Batches that are not `(inputs, integer labels)` pairs are passed over (they
-  give no accuracy at all).
+  Batches that are not `(inputs, integer labels)` pairs, or whose labels do not have
+  one axis fewer than the outputs (`outputs_rank` axes, the last `classes` wide, of
+  `who`), are passed over: they give no accuracy at all, which the eval says.
   """
   for index, batch in enumerate(batches):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -315,11 +318,13 @@ def eval_label_outside(batches: Iterable[Any], classes: int) -> str | None:
     labels = np.asarray(batch[1])
     if not np.issubdtype(labels.dtype, np.integer) or not labels.size:
       continue
+    if labels.ndim != outputs_rank - 1:
+      continue
     outside = labels[(labels < 0) | (labels >= classes)]
     if outside.size:
       return (
-        f"eval batch {index + 1} has {outside.size} label(s) outside [0, {classes}), the "
-        f"model's classes (first: {outside.flat[0]})"
+        f"eval batch {index + 1} has {outside.size} label(s) outside [0, {classes}), "
+        f"{who}'s classes (first: {outside.flat[0]})"
       )
   return None
 
