@@ -162,7 +162,13 @@ class _OwnLayout(parstrat.DataParallel):
 def test_a_layout_of_ones_own_is_named_as_such_and_must_round_trip():
   # A custom plan's layout got the pipeline's message ("each pipeline stage's ... flat
   # buffer"), and one whose to_params did not undo to_stored a misleading one.
-  with pytest.raises(ValueError, match=r"stores the parameters in a layout of its own \(its plan"):
+  # (naming the strategy and the difference the probe found)
+  with pytest.raises(
+    ValueError,
+    match=r"^_OwnLayout\(.*\) stores the parameters in a layout of its own \(its plan's "
+    r"to_stored\), not the model's, and the optimizer does not act leaf by leaf \(its update "
+    r"1 on the flat layout differs from the one on the model's layout\)",
+  ):
     _init(_OwnLayout(data=2), PER_LEAF["lamb"])
   with pytest.raises(
     ValueError,

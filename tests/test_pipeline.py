@@ -199,6 +199,7 @@ def test_a_cond_given_the_parameters_is_named_as_the_reason_no_cut_exists():
     message = str(e.value)
     assert "only 0 of its 3 layer boundaries are cuttable (one `cond` equation (hk.cond" in message
     assert "keep such a branch within one layer's module" in message
+    assert "pick with jnp.where" in message
     assert "tied" not in message and message.count("`cond`") == 1
 
 
@@ -223,6 +224,7 @@ def test_stage_boundary_markers():
 def test_unread_params_mixed_dtypes_and_virtual_stages_are_named():
   def ghost(x):
     hk.get_parameter("ghost", (3,), init=jnp.zeros)
+    hk.get_parameter("ghost2", (2,), init=jnp.zeros)  # (each unread leaf is named)
     return hk.Linear(10, name="out")(jax.nn.swish(hk.Linear(16, name="inp")(x)))
 
   def mixed(x):
@@ -237,7 +239,11 @@ def test_unread_params_mixed_dtypes_and_virtual_stages_are_named():
 
   x = np.zeros((8, 16), np.float32)
   for net, strategy, message in (
-    (ghost, parstrat.PipelineModelParallel(stages=2), r"Parameters \['~'\]\['ghost'\] \(layer"),
+    (
+      ghost,
+      parstrat.PipelineModelParallel(stages=2),
+      r"Parameters \['~'\]\['ghost'\], \['~'\]\['ghost2'\] \(layer",
+    ),
     (
       half_read,
       parstrat.Hybrid(data=2, stages=2),

@@ -12,6 +12,7 @@ from helpers import mlp
 
 import parstrat
 import parstrat.testing
+from parstrat import pipeline
 from parstrat._src import precision as precision_lib
 from parstrat._src.pipeline import engine
 
@@ -67,9 +68,25 @@ def _matches_one_device_in_mixed_bfloat16(strategy):
   )
 
 
+def _slot_buffers(schedule: str, activations: str, slots: int) -> set[str]:
+  """The `[slots, n]` buffers of the lowered step at P=2, M=4 under mixed bfloat16."""
+  trainer = parstrat.PipelineModelParallel(
+    stages=2, microbatches=4, schedule=schedule, activations=activations
+  )(MODEL, optax.sgd(0.1), precision="mixed_bfloat16")
+  images, labels = parstrat.testing.random_batches(1, 8, FEATURES)
+  state = trainer.init_abstract(jax.random.key(0), images[0][:1])
+  text = trainer.lower(state, (images[0], labels[0])).as_text()
+  return set(re.findall(rf"tensor<({slots}x\d+x(?:bf16|f32))>", text))
+
+
 def test_zero_bubble_hands_bfloat16_from_i_to_w_and_matches_one_device():
-  # Under mixed bfloat16 what ZB-H1's I pass hands its W pass is bfloat16.
+  # Under mixed bfloat16 what ZB-H1's I pass hands its W pass is bfloat16: the buffers
+  # ZB-H1's step holds beyond 1F1B's are its handoff slots, and they are bfloat16 (a
+  # float32 handoff, cast back in W, matched one device as well).
+  slots = pipeline.build_schedule("zb_h1", 2, 4).handoff_slots()[1]
   for activations in ("recompute", "save"):
+    handoff = _slot_buffers("zb_h1", activations, slots) - _slot_buffers("1f1b", activations, slots)
+    assert handoff and all(t.endswith("xbf16") for t in handoff), (activations, handoff)
     _matches_one_device_in_mixed_bfloat16(
       parstrat.PipelineModelParallel(
         stages=2, microbatches=4, schedule="zb_h1", activations=activations

@@ -203,6 +203,16 @@ def test_accumulation_needs_a_batch_that_splits_into_microsteps():
   state = trainer.init(jax.random.key(0), images[0][:1])
   with pytest.raises(ValueError, match=r"multiple of 12 .*accumulate=3\), got 16"):
     trainer.step(state, (images[0], labels[0]))
+  # The data-axis size x microbatches x k, all three (12 is a multiple of data x
+  # microbatches and of data x k, not of data x microbatches x k).
+  pipe = parstrat.Hybrid(data=2, stages=2, microbatches=2)(model, optax.sgd(0.1), accumulate=2)
+  images, labels = random_batches(1, 12)
+  state = pipe.init(jax.random.key(0), images[0][:1])
+  with pytest.raises(
+    ValueError,
+    match=r"multiple of 8 \(2 devices along .* x 2 microbatches x accumulate=2\), got 12",
+  ):
+    pipe.step(state, (images[0], labels[0]))
   for bad in (0, -1):
     with pytest.raises(ValueError, match=f"accumulate must be a positive integer, got {bad}"):
       parstrat.DataParallel()(model, optax.sgd(0.1), accumulate=bad)

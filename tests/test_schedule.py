@@ -549,6 +549,23 @@ def test_lockstep_time_charges_each_tick_its_slowest_pass():
   one_f = pipeline.build_schedule("1f1b", 2, 3)
   assert one_f.lockstep_time() == 1 + 1 + 6 * 3
   assert one_f.lockstep_bubble() > one_f.bubble_fraction()
+  # The README's figures at P=4, M=8: the lock-step idle shares under "recompute"
+  # (GPipe 0.273, 1F1B 0.448, ZB-H1 and interleaved 0.347) and the table of lock-step
+  # times ("recompute", "save") and live microbatches on device 0, K = 1 and 2.
+  for name, v, k, times, live, bubble in (
+    ("gpipe", 1, 1, (44, 33), 8, 0.273),
+    ("1f1b", 1, 1, (58, 40), 4, 0.448),
+    ("1f1b", 1, 2, (44, 33), 7, None),
+    ("zb_h1", 1, 1, (49, 27), 4, 0.347),
+    ("zb_h1", 1, 2, (39, 27), 7, None),
+    ("interleaved_1f1b", 2, 1, (49, 34), 11, 0.347),
+    ("interleaved_1f1b", 2, 2, (38, 28.5), 11, None),
+  ):
+    s = pipeline.build_schedule(name, 4, 8, virtual_stages=v, exchange_every=k)
+    assert (s.lockstep_time("recompute"), s.lockstep_time("save")) == times, (name, k)
+    assert s.max_live_activations()[0] == live, (name, k)
+    if bubble is not None:
+      assert round(s.lockstep_bubble(), 3) == bubble, (name, k)
 
 
 # ------------------------------------------------- an exchange every K ticks
