@@ -127,7 +127,10 @@ def test_a_tied_head_is_refused_naming_the_embedding_first_and_once():
   message = str(info.value)
   # One sentence for every boundary the tied weight blocks, before any other reason.
   assert message.split("cuttable (", 1)[1].startswith(
-    "the parameters of 'embed' are used both before and after each of the 17 layers "
-    "'block0_ln_attn' .. 'ln_final'"
+    "the parameters of 'embed' are used both before and after each of the 18 layers "
+    "'~' .. 'ln_final' (a weight shared or tied"
   ), message
+  # (the boundary just after the embedding, before the position embedding '~', was
+  # "used interleaved", said after it)
+  assert "interleaved" not in message, message
   assert message.count("tied across the cut") == 1, message
