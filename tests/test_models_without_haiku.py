@@ -499,3 +499,89 @@ def test_bias_less_layers_chained_in_one_vmap_are_split_on_their_feature_major_i
     parstrat.Hybrid(data=2, stages=1, model=2), model, {"optimizer": optax.sgd(0.1)}, steps=2,
     batch=8, features=FEATURES,
   )  # fmt: skip
+
+
+TOKENS, HEADS, HEAD_DIM = 3, 4, 2
+EMBED = FEATURES // TOKENS  # (each [B, 12] input is read as 3 tokens of 4 features)
+
+
+def _init_head_kernels(rng, inputs):
+  """Flax linen's `MultiHeadDotProductAttention` params (query, key and value kernels
+  `[in, heads, head_dim]` with `[heads, head_dim]` biases; an output kernel `[heads,
+  head_dim, out]`), then a `Dense` head over the flattened tokens."""
+  del inputs
+  keys = iter(jax.random.split(rng, 9))
+  normal = lambda shape, fan_in: jax.random.normal(next(keys), shape) / np.sqrt(fan_in)  # noqa: E731
+  attention = {
+    name: {"kernel": normal((EMBED, HEADS, HEAD_DIM), EMBED), "bias": normal((HEADS, HEAD_DIM), 8)}
+    for name in ("query", "key", "value")
+  }
+  attention["out"] = {
+    "kernel": normal((HEADS, HEAD_DIM, EMBED), HEADS * HEAD_DIM),
+    "bias": normal((EMBED,), 8),
+  }
+  head = {"kernel": normal((TOKENS * EMBED, 10), TOKENS * EMBED), "bias": jnp.zeros(10)}
+  return {"params": {"MultiHeadDotProductAttention_0": attention, "Dense_0": head}}
+
+
+def _apply_head_kernels(variables, rng, x):
+  """Flax's arithmetic (as traced from flax 0.12): each `DenseGeneral` a `dot_general`
+  over the input's last axis (the output projection over the heads and head_dim) plus
+  its bias reshaped to `[1, .., heads, head_dim]`; scores and values per head by einsum."""
+  del rng
+  params = variables["params"]["MultiHeadDotProductAttention_0"]
+  tokens = x.reshape(x.shape[0], TOKENS, EMBED)
+
+  def dense_general(x, layer, contract):
+    y = jax.lax.dot_general(x, layer["kernel"], ((contract, tuple(range(len(contract)))), ((), ())))
+    bias = layer["bias"]
+    return y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
+
+  q, k, v = (dense_general(tokens, params[name], (2,)) for name in ("query", "key", "value"))
+  scores = jnp.einsum("...qhd,...khd->...hqk", q / np.sqrt(HEAD_DIM).astype(np.float32), k)
+  heads = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), v)
+  y = tokens + dense_general(heads, params["out"], (2, 3))  # (a residual after the all-reduce)
+  head = variables["params"]["Dense_0"]
+  return y.reshape(x.shape[0], -1) @ head["kernel"] + head["bias"]
+
+
+def test_attention_kernels_of_heads_are_split_by_heads():
+  # Flax's attention keeps its kernels 3-D: the analysis took only 2-D weights, so it
+  # was "a 3-D weight" and attention stayed whole ("0 split group(s)"). Query, key and
+  # value kernels are now split by their heads (dim 1, with their [heads, head_dim]
+  # biases), the output kernel by its heads (dim 0): Megatron's attention split.
+  model = types.SimpleNamespace(init=_init_head_kernels, apply=_apply_head_kernels)
+  trainer, state = _tensor_trainer_checked_against_jit(model)
+  specs = jax.tree.map(lambda x: x.sharding.spec, state.params["params"])
+  for name in ("query", "key", "value"):
+    assert specs["MultiHeadDotProductAttention_0"][name] == {
+      "kernel": P(None, "model", None),
+      "bias": P("model", None),
+    }, specs
+  assert specs["MultiHeadDotProductAttention_0"]["out"] == {
+    "kernel": P("model", None, None),
+    "bias": P(),
+  }, specs
+  assert specs["Dense_0"] == {"kernel": P(), "bias": P()}, specs
+  (group,) = trainer.plan.description.splitlines()[1:2]
+  assert group.strip() == (
+    "group 0: column-parallel params/MultiHeadDotProductAttention_0/key, "
+    "params/MultiHeadDotProductAttention_0/query, params/MultiHeadDotProductAttention_0/value "
+    "-> row-parallel params/MultiHeadDotProductAttention_0/out (1 all-reduce(s) forward)"
+  )
+  # The costs "auto" reads: the output projection's [tokens, embed] outputs all-reduced
+  # forward; the one input of query, key and value backward.
+  plan = parstrat.tensor_split_plan(model, jnp.zeros((8, FEATURES)))
+  assert [g.reduce_widths for g in plan.groups] == [(TOKENS * EMBED, 0)]
+  # A pipeline cuts it after the attention, and Hybrid(2, 2, 2) splits it there as well.
+  hybrid = parstrat.Hybrid(data=2, stages=2, model=2)(model, optax.sgd(0.1))
+  hybrid.init_abstract(jax.random.key(0), np.zeros((1, FEATURES), np.float32))
+  assert group.strip() in hybrid.plan.description
+  parstrat.testing.check_strategy(
+    parstrat.Hybrid(data=2, stages=2, model=2),
+    model,
+    [optax.sgd(0.1), optax.adam(1e-2)],
+    steps=2,
+    batch=8,
+    features=FEATURES,
+  )

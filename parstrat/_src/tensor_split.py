@@ -15,6 +15,12 @@ followed value by value:
   PyTorch-style `[out, in]` weight in `x @ w.T` or `einsum("bi,oi->bo", x,
   w)`); its output features are its other dimension, and
   land on the output's last axis for `x @ w`, its leading one for `w @ x.T`.
+  A weight of more dimensions may contract several with as many of the
+  input's (Flax's attention: `[in, heads, head_dim]` kernels, and an output
+  kernel `[heads, head_dim, out]` over the heads and head_dim); its output
+  features are the first dimension it leaves free (the heads), and a bias of
+  as many dimensions (`[heads, head_dim]`) is split along the one that lands
+  on the split axis.
 * A linear layer whose output width `T` divides is tried *column-parallel*:
   its output is split by features. The split is followed forward through
   element-wise ops (activations, bias adds, which split the bias too, scaling
@@ -23,7 +29,8 @@ followed value by value:
   `H`), transposes, reductions over other axes (a softmax over keys) and
   matmuls that keep the split axis as a batch axis (attention scores).
 * The split ends at the linear layer that *consumes* it (`h @ w2`, contracting
-  the split features): that layer is *row-parallel*, and its output needs one
+  the split features, maybe with others): that layer is *row-parallel*, split
+  along the dimension contracted with the split one, and its output needs one
   all-reduce over "model" (its bias is added after it, whole).
 * Column layers whose splits meet (query, key and value meeting in the
   scores) form one group with all the row layers that end them. A group is
@@ -268,11 +275,46 @@ class _UnionFind:
     return min(a, b)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Linear:
+  """How a linear weight is multiplied.
+
+  Attributes:
+    side: its operand (1 for `x @ w`, 0 for `w @ x.T`); its input is the other.
+    transposed: a 2-D view of it with its two dimensions swapped (`x @ w.T`).
+    out_dim: the leaf's dimension split when it is column-parallel: its first one
+      left free by the product (the output features; a `[in, heads, head_dim]`
+      kernel's heads).
+    out_axis: the product's axis that dimension lands on.
+  """
+
+  side: int
+  transposed: bool
+  out_dim: int
+  out_axis: int
+
+  def leaf_dim(self, operand_dim: int) -> int:
+    """The leaf's dimension that is dimension `operand_dim` of the multiplied operand."""
+    return 1 - operand_dim if self.transposed else operand_dim
+
+
+def _reshaped_axes(in_shape, out_shape) -> tuple[int | None, ...] | None:
+  """For a reshape that only adds or drops axes of size 1, the output axis each input
+  axis lands on (None for a dropped one); None for any other reshape."""
+  kept_in = [k for k, n in enumerate(in_shape) if n != 1]
+  kept_out = [k for k, n in enumerate(out_shape) if n != 1]
+  if [in_shape[k] for k in kept_in] != [out_shape[k] for k in kept_out]:
+    return None
+  where = dict(zip(kept_in, kept_out, strict=True))
+  return tuple(where.get(k) for k in range(len(in_shape)))
+
+
 @dataclasses.dataclass
 class _Group:
   columns: set[int] = dataclasses.field(default_factory=set)  # leaf indices
   rows: set[int] = dataclasses.field(default_factory=set)
-  biases: set[int] = dataclasses.field(default_factory=set)
+  biases: dict[int, int] = dataclasses.field(default_factory=dict)  # leaf -> its split dim
+  row_dims: dict[int, int] = dataclasses.field(default_factory=dict)  # row leaf -> split dim
   row_out: int = 0
   column_inputs: dict = dataclasses.field(default_factory=dict)  # var -> elements per example
   flops: int = 0
@@ -301,7 +343,7 @@ class _Analysis:
   def __init__(self, ops, kinds, origin, bias_dim, linear, slot, columns, parts, outputs, batch):
     self.ops, self.kinds, self.origin, self.bias_dim = ops, kinds, origin, bias_dim
     self.linear, self.columns, self.parts, self.outputs = linear, columns, parts, outputs
-    self.slot = slot
+    self.slot = slot  # leaf -> `_Linear`
     self.batch = batch
     self.split: dict[Any, int] = {}  # var -> split axis
     self.owner: dict[Any, int] = {}  # var -> group id (a column leaf)
@@ -324,7 +366,8 @@ class _Analysis:
       g, other = self.groups[root], self.groups.pop(r)
       g.columns |= other.columns
       g.rows |= other.rows
-      g.biases |= other.biases
+      g.biases.update(other.biases)
+      g.row_dims.update(other.row_dims)
       g.row_out += other.row_out
       g.column_inputs.update(other.column_inputs)
       g.flops += other.flops
@@ -363,11 +406,10 @@ class _Analysis:
         g.columns.add(start)
         x = self._input(op)
         # Its batch is the first axis it does not contract (1 for a [features, batch] input).
-        batch_axis = 1 if self._input_axis(op) == 0 else 0
+        contracted = self._input_axes(op)
+        batch_axis = next(k for k in range(len(x.aval.shape) + 1) if k not in contracted)
         g.column_inputs[x] = 0 if self.kinds.get(x) == "input" else self._width(x, batch_axis)
-        # The output features: last after `x @ w`, leading after `w @ x.T`.
-        axis = len(out.aval.shape) - 1 if self.slot[start] == 1 else 0
-        self.mark(out, axis, self.uf.find(start), _flops(op))
+        self.mark(out, self.slot[start].out_axis, self.uf.find(start), _flops(op))
         continue
       split_ins = [v for v in op.ins if self._split(v)]
       if split_ins:
@@ -381,12 +423,12 @@ class _Analysis:
 
   def _input(self, op: _Op):
     """A linear layer's input: the operand that is not its weight."""
-    return op.ins[1 - self.slot[self.linear[id(op)]]]
+    return op.ins[1 - self.slot[self.linear[id(op)]].side]
 
-  def _input_axis(self, op: _Op) -> int:
-    """The axis a linear layer contracts on its input (its input features)."""
+  def _input_axes(self, op: _Op) -> tuple[int, ...]:
+    """The axes a linear layer contracts on its input (its input features)."""
     (lc, rc), _ = op.params["dimension_numbers"]
-    return (lc, rc)[1 - self.slot[self.linear[id(op)]]][0]
+    return tuple((lc, rc)[1 - self.slot[self.linear[id(op)]].side])
 
   def _width(self, v, batch_axis: int = 0) -> int:
     """Elements per example of `v`: its size over the batch, if `batch_axis` is that long."""
@@ -421,13 +463,13 @@ class _Analysis:
         if self.kinds.get(v) == "param":
           if d in self.uniform.get(v, ()):
             continue  # a parameter broadcast along the split axis (a [1] gain): whole
-          leaf, dim = self.bias_dim.get(v, (None, None))
+          leaf, axes = self.bias_dim.get(v, (None, ()))
           if leaf is None and v.aval.shape[d] == 1:
             continue  # broadcast along the split axis: nothing to split
           if leaf is None:
             return self.fail(root, f"{what} combines it with a parameter that is not a bias")
-          if dim == d:
-            self.groups[root].biases.add(leaf)
+          if d in axes:  # (split along the leaf's dimension that lands on axis d)
+            self.groups[root].biases[leaf] = axes.index(d)
           continue
         if v.aval.shape[d] == 1 and shape[d] != 1:
           continue  # an activation broadcast along the split axis (e.g. a norm's scale)
@@ -475,11 +517,14 @@ class _Analysis:
     out = op.outs[0]
     row = self.linear.get(id(op))
     if row is not None:  # a linear layer contracting the split features: row-parallel
-      side = self.slot[row]  # the weight's operand
+      side = self.slot[row].side  # the weight's operand
       x, x_contract, w = op.ins[1 - side], (lc, rc)[1 - side], op.ins[side]
-      if self._split(x) and not self._split(w) and tuple(x_contract) == (d,):
+      if self._split(x) and not self._split(w) and d in x_contract:
         g = self.groups[root]
         g.rows.add(row)
+        # The weight's dimension contracted with the split one (its input features; a
+        # head's `[heads, head_dim, out]` kernel: its heads).
+        g.row_dims[row] = self.slot[row].leaf_dim((lc, rc)[side][list(x_contract).index(d)])
         # The output is the operands' free axes, lhs first: `x @ w` [batch, .., out],
         # `w @ x.T` [out, batch, ..] (whichever axis of `x` held the features).
         g.row_out += self._width(out, batch_axis=1 - side)
@@ -573,7 +618,8 @@ def analyse(
   kinds: dict[Any, str] = {v: "param" for v in jaxpr.invars[:n]}
   kinds.update({v: "input" for v in input_vars})
   origin: dict[Any, int] = {v: i for i, v in enumerate(jaxpr.invars[:n])}  # a view of leaf i
-  bias_dim: dict[Any, tuple[int, int]] = {}  # broadcast of a 1-D leaf: (leaf, output axis)
+  # A bias broadcast for `x + b`: (leaf, the axis each of the leaf's dimensions lands on).
+  bias_dim: dict[Any, tuple[int, tuple[int | None, ...]]] = {}
   uses: dict[int, list[_Op]] = {i: [] for i in range(n)}
   transposed: set[Any] = set()  # views of a 2-D leaf with its two dimensions swapped
   for op in ops:
@@ -601,35 +647,33 @@ def analyse(
       if op.ins[0] not in transposed:  # (transposed twice: the leaf's own order again)
         transposed.add(op.outs[0])
       continue
-    if op.prim == "broadcast_in_dim" and viewed and len(leaves[viewed[0]].shape) == 1:
-      bias_dim[op.outs[0]] = (viewed[0], op.params["broadcast_dimensions"][0])
+    # (a bias of any rank: a `[heads, head_dim]` one beside a `[in, heads, head_dim]` kernel)
+    if op.prim == "broadcast_in_dim" and viewed and op.ins[0] in origin:
+      bias_dim[op.outs[0]] = (viewed[0], tuple(op.params["broadcast_dimensions"]))
     elif op.prim == "broadcast_in_dim" and _is_var(op.ins[0]) and op.ins[0] in bias_dim:
-      leaf, axis = bias_dim[op.ins[0]]  # (of a reshaped bias, below)
-      bias_dim[op.outs[0]] = (leaf, op.params["broadcast_dimensions"][axis])
-    elif op.prim == "reshape" and viewed and len(leaves[viewed[0]].shape) == 1:
-      # A bias reshaped to [1, ..., N] for `x + b` to broadcast it (Flax's Dense, nnx's
-      # Linear): the leaf's features are the one axis longer than 1.
-      longer = [k for k, size in enumerate(op.outs[0].aval.shape) if size != 1]
-      if len(longer) == 1:
-        bias_dim[op.outs[0]] = (viewed[0], longer[0])
+      leaf, axes = bias_dim[op.ins[0]]  # (of a reshaped bias, below)
+      dims = op.params["broadcast_dimensions"]
+      bias_dim[op.outs[0]] = (leaf, tuple(None if a is None else dims[a] for a in axes))
+    elif op.prim == "reshape" and viewed and op.ins[0] in origin:
+      # A bias reshaped to [1, ..., N] (or [1, .., H, D]) for `x + b` to broadcast it
+      # (Flax's Dense and DenseGeneral, nnx's Linear): its axes longer than 1, in order.
+      axes = _reshaped_axes(op.ins[0].aval.shape, op.outs[0].aval.shape)
+      if axes is not None:
+        bias_dim[op.outs[0]] = (viewed[0], axes)
     for i in viewed:
       uses[i].append(op)
 
-  # Linear weights: 2-D leaves used exactly once, as `x @ w` or `w @ x.T`, contracting
-  # one axis of the input (its last, or the leading one of a [features, batch] input).
+  # Linear weights: leaves of 2 or more dimensions used exactly once, as `x @ w` or
+  # `w @ x.T`, contracting some of the input's axes (its last, the leading one of a
+  # [features, batch] input, a head's `[.., heads, head_dim]`) with as many of theirs.
   linear: dict[int, int] = {}  # id(dot op) -> leaf
-  # leaf -> its operand index (1 for `x @ w`, 0 for `w @ x.T`; its input is the other
-  # operand), and its output-features dimension, the one it does not contract (1 for a
-  # Haiku `w [in, out]`, 0 for a PyTorch-style `w [out, in]` as in `einsum("bi,oi", x, w)`).
-  slot: dict[int, int] = {}
-  out_dim: dict[int, int] = {}
+  slot: dict[int, _Linear] = {}  # leaf -> how it is multiplied
   why_not: dict[int, str] = {}
   for i, leaf in enumerate(leaves):
     shape = tuple(leaf.shape)
     found = uses[i]
-    if len(shape) != 2:
-      kind = "a bias or scale" if len(shape) < 2 else f"a {len(shape)}-D weight"
-      why_not[i] = f"replicated ({kind}, not a linear layer's weight matrix)"
+    if len(shape) < 2:
+      why_not[i] = "replicated (a bias or scale, not a linear layer's weight matrix)"
       continue
     if len(found) != 1:
       why_not[i] = f"replicated (used {len(found)} times: a shared or tied weight)"
@@ -642,16 +686,21 @@ def analyse(
       continue
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     w_contract, x_contract = (rc, lc) if side == 1 else (lc, rc)
-    if lb or rb or len(w_contract) != 1 or len(x_contract) != 1:
-      why_not[i] = "replicated (not used as `x @ w` or `w @ x.T` on one axis of the input)"
+    free = [k for k in range(len(shape)) if k not in w_contract]
+    if lb or rb or not free:
+      why_not[i] = (
+        "replicated (not used as `x @ w` or `w @ x.T`: a product over batch axes, or one "
+        "that leaves none of its dimensions free)"
+      )
       continue
     linear[id(op)] = i
-    contracted = 1 - w_contract[0] if op.ins[side] in transposed else w_contract[0]
-    slot[i], out_dim[i] = side, 1 - contracted
+    x_free = len(op.ins[1 - side].aval.shape) - len(x_contract)
+    view = _Linear(side, op.ins[side] in transposed, 0, x_free if side == 1 else 0)
+    slot[i] = dataclasses.replace(view, out_dim=view.leaf_dim(free[0]))
 
-  columns = {i for i in linear.values() if leaves[i].shape[out_dim[i]] % parts == 0}
+  columns = {i for i in linear.values() if leaves[i].shape[slot[i].out_dim] % parts == 0}
   for i in set(linear.values()) - columns:
-    width = leaves[i].shape[out_dim[i]]
+    width = leaves[i].shape[slot[i].out_dim]
     why_not[i] = f"replicated (its {width} outputs are not divisible by model={parts})"
   dropped: dict[int, str] = {}
   while True:
@@ -661,7 +710,7 @@ def analyse(
     for root, g in state.groups.items():
       why = g.failure or ("" if g.rows else "no linear layer consumes its split output")
       if not why and stage_of is not None:
-        layers = {names[i][0] for i in g.columns | g.rows | g.biases}
+        layers = {names[i][0] for i in g.columns | g.rows | set(g.biases)}
         stages = sorted({stage_of[name] for name in layers})
         if len(stages) > 1:
           why = f"its group ({', '.join(sorted(layers))}) would straddle stages {stages}"
@@ -682,11 +731,11 @@ def analyse(
     col_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.columns)))
     row_layers = tuple(dict.fromkeys(names[i][0] for i in sorted(g.rows)))
     partners = ", ".join(row_layers)
-    for i in g.columns | g.biases:
-      dims[i] = out_dim[i] if i in g.columns else 0
+    for i in g.columns | set(g.biases):
+      dims[i] = slot[i].out_dim if i in g.columns else g.biases[i]
       reasons[i] = f"column-parallel (split by output features; consumed by {partners})"
     for i in g.rows:
-      dims[i] = 1 - out_dim[i]  # its input features
+      dims[i] = g.row_dims[i]  # its input features
     backward = sum(g.column_inputs.values())
     groups.append(SplitGroup(col_layers, row_layers, (g.row_out, backward)))
   row_leaves = {i for g in state.groups.values() for i in g.rows}
@@ -706,7 +755,7 @@ def analyse(
   # A replicated layer's leaves share its weight matrix's reason.
   for layer in {name for name, _ in names}:
     members = [i for i in range(n) if names[i][0] == layer]
-    weights = [i for i in members if len(leaves[i].shape) == 2]
+    weights = [i for i in members if i in slot] or [i for i in members if len(leaves[i].shape) == 2]
     if len(weights) == 1 and all(dims[i] is None for i in members):
       for i in members:
         reasons[i] = reasons[weights[0]]
