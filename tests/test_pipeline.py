@@ -328,6 +328,76 @@ def test_values_from_the_model_inputs_are_recomputed_by_the_stages_that_read_the
   parstrat.testing.check_strategy(strategy, model, [optax.sgd(0.1)], batches=batches)
 
 
+def _class_token_net(x):  # [B, T, F] -> [B, 10], a ViT-style class token
+  h = hk.Linear(16, name="patch")(x)
+  with hk.name_scope("cls"):
+    token = hk.get_parameter("token", [1, 1, 16], init=jnp.ones)
+  h = jnp.concatenate([jnp.broadcast_to(token, (h.shape[0], 1, 16)), h], axis=1)
+  for i in range(2):
+    h = h + hk.Linear(16, name=f"fc{i}b")(jax.nn.relu(hk.Linear(32, name=f"fc{i}a")(h)))
+  return hk.Linear(10, name="head")(h[:, 0])
+
+
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    parstrat.PipelineModelParallel(stages=2, microbatches=4),
+    parstrat.PipelineModelParallel(stages=4, microbatches=4, schedule="zb_h1"),
+    parstrat.Hybrid(data=2, stages=2, model=2, microbatches=2),
+  ],
+  ids=["pipeline-2-1f1b", "pipeline-4-zb_h1", "hybrid-2x2x2"],
+)
+def test_a_model_traced_otherwise_at_one_row_is_cut_between_the_same_layers(strategy):
+  # `jnp.broadcast_to` to the shape a value already has emits no equation, so the
+  # class token's broadcast is there at a microbatch's 4 rows and not at the sample's
+  # one: the cuts, equation indices of the 1-row trace, fell one equation early in the
+  # microbatch's, and the first step failed with "KeyError: Var(id=...):float32[4,5,16]".
+  model = hk.transform(_class_token_net)
+  apply = lambda params, x: model.apply(params, None, x)
+  x = np.random.default_rng(0).normal(size=(16, 4, 6)).astype(np.float32)
+  params = model.init(jax.random.key(0), x[:1])
+  one_row, four_rows = (len(jax.make_jaxpr(apply)(params, x[:n]).eqns) for n in (1, 4))
+  assert one_row != four_rows
+  batches = [(x, np.arange(16, dtype=np.int32) % 10)] * 2
+  # (the kit inits with the first batch's first row)
+  parstrat.testing.check_strategy(
+    strategy, model, [optax.sgd(0.1), optax.adam(1e-2)], batches=batches
+  )
+
+
+def _position_table_and_temperature_net(tokens):  # both at the top level: Haiku's "~"
+  x = hk.Embed(16, 16, name="embed")(tokens)
+  x = x + hk.get_parameter("pos", [8, 16], init=jnp.zeros)[None]
+  x = x + hk.Linear(16, name="fc2")(jax.nn.gelu(hk.Linear(32, name="fc1")(x)))
+  x = hk.LayerNorm(-1, True, True, name="ln0")(x)
+  return hk.Linear(16, name="head")(x) / jnp.exp(hk.get_parameter("log_temp", [], init=jnp.zeros))
+
+
+def test_a_module_holding_parameters_read_at_both_ends_is_not_called_a_tied_weight():
+  # "~" holds a position table read first and a temperature read last: no weight is
+  # shared, yet the refusal said "(a weight shared or tied across the cut, e.g. an output
+  # head that reuses the embedding)", naming neither parameter nor the fix.
+  model = hk.transform(_position_table_and_temperature_net)
+  tokens = np.zeros((1, 8), np.int32)
+  params = model.init(jax.random.key(0), tokens)
+  with pytest.raises(ValueError) as refused:
+    pipeline.plan_stages(_apply(model), params, tokens, 4)
+  message = str(refused.value)
+  assert "shared or tied" not in message, message
+  assert "'~' holds ['~']['pos'] (read before) and ['~']['log_temp'] (read after)" in message
+  assert "hk.name_scope" in message
+
+  # A weight read on both sides is still called tied.
+  def tied_head(t):
+    embed = hk.Embed(16, 16, name="embed")
+    x = hk.Linear(16, name="middle")(embed(t))
+    return hk.Linear(16, name="last")(jax.nn.relu(x)) @ embed.embeddings.T
+
+  tied = hk.transform(tied_head)
+  with pytest.raises(ValueError, match="a weight shared or tied across the cut"):
+    pipeline.plan_stages(_apply(tied), tied.init(jax.random.key(0), tokens), tokens, 2)
+
+
 def test_errors_name_the_problem():
   params, x = _abstract(SEED_MLP)
   with pytest.raises(

@@ -175,7 +175,7 @@ class ModelStats:
       trace = partition_lib._trace(apply, sample_params, sample_inputs)  # noqa: SLF001
       analysis = partition_lib._analyse(trace)  # noqa: SLF001
       for k in range(1, len(analysis.layer_order)):
-        cut, _, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
+        cut, _, _, _ = partition_lib._boundary_cut(trace, analysis, k)  # noqa: SLF001
         if cut is not None:
           widths.append(partition_lib.flat_width(analysis.live[cut][0].aval))
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):

@@ -377,7 +377,7 @@ def _analyse(trace: _Trace) -> _Analysis:
   )
 
 
-def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
+def _tied_reason(tied: Sequence[str], layers: Sequence[str], note: str = "") -> str:
   """Why no cut exists before `layers`: the parameters of `tied` are read on both sides."""
   where = (
     f"layer {layers[0]!r}"
@@ -386,8 +386,36 @@ def _tied_reason(tied: Sequence[str], layers: Sequence[str]) -> str:
   )
   return (
     f"the parameters of {', '.join(map(repr, tied))} are used both before and after {where} "
-    "(a weight shared or tied across the cut, e.g. an output head that reuses the "
-    "embedding); a pipeline cannot split them"
+    + (
+      note
+      or "(a weight shared or tied across the cut, e.g. an output head that reuses the "
+      "embedding); a pipeline cannot split them"
+    )
+  )
+
+
+def _separate_leaves_note(trace: _Trace, tied: Sequence[int], at: int) -> str:
+  """For tied layers none of whose leaves is read both before equation `at` and from it
+  on (a Haiku module, or the top-level "~", holding a position table read first and a
+  temperature read last): which leaves are read where, and the fix. Else ""."""
+  sides: dict[int, tuple[list[str], list[str]]] = {}
+  for i, v in enumerate(trace.param_vars):
+    if trace.leaf_layer[i] not in tied:
+      continue
+    reads = [j for j, eqn in enumerate(trace.jaxpr.eqns) if v in eqn.invars]
+    if any(j < at for j in reads) and any(j >= at for j in reads):
+      return ""  # one weight read on both sides: shared or tied
+    before, after = sides.setdefault(trace.leaf_layer[i], ([], []))
+    (before if reads and reads[0] < at else after).append(trace.leaf_names[i])
+  parts = [
+    f"{trace.layer_names[layer]!r} holds {', '.join(before)} (read before) and "
+    f"{', '.join(after)} (read after)"
+    for layer, (before, after) in sides.items()
+  ]
+  return (
+    f"(no weight is read on both sides: {'; '.join(parts)}; a pipeline gives each layer, the "
+    "module that holds a parameter, to one stage, so create those parameters in different "
+    "modules, e.g. under their own `hk.name_scope`)"
   )
 
 
@@ -436,51 +464,63 @@ def _across_reason(
   return None
 
 
-def _summary(reasons: dict[int, tuple[str, tuple[str, ...], str]]) -> str:
+def _summary(reasons: dict[int, tuple[str, tuple[str, ...], str, str]]) -> str:
   """The reasons no cut exists, tied weights first and each tied group in one sentence."""
   tied: dict[tuple[str, ...], list[str]] = {}
+  notes: dict[tuple[str, ...], str] = {}
   other = []
-  for why, again, layer in reasons.values():
+  for why, again, layer, note in reasons.values():
     if again:
       tied.setdefault(again, []).append(layer)
+      notes.setdefault(again, note)
     else:
       other.append(why)
   other = list(dict.fromkeys(other))  # (one equation across every cut is said once)
-  return "; ".join([_tied_reason(names, layers) for names, layers in tied.items()] + other)
+  return "; ".join(
+    [_tied_reason(names, layers, notes[names]) for names, layers in tied.items()] + other
+  )
 
 
 def _boundary_cut(
   trace: _Trace, analysis: _Analysis, k: int
-) -> tuple[int | None, str, tuple[str, ...]]:
+) -> tuple[int | None, str, tuple[str, ...], str]:
   """The latest single-value cut between ordered layers k-1 and k, or why none exists.
 
   Returns:
-    `(cut, why, tied)`: the equation index of the cut (None when there is
-    none), the reason when there is none, and the earlier layers whose
-    parameters are read on both sides (a shared or tied weight; else empty).
+    `(cut, why, tied, note)`: the equation index of the cut (None when there is
+    none), the reason when there is none, the earlier layers whose
+    parameters are read on both sides (a shared or tied weight; else empty),
+    and, for those, what `_separate_leaves_note` says (else "").
   """
   order = analysis.layer_order
   across = _across_reason(trace, analysis, order[:k], order[k:])
   if across is not None:  # (its reads would look tied, interleaved or a skip connection)
-    return None, across, ()
+    return None, across, (), ""
   before = max(analysis.last_read[layer] for layer in order[:k])
   after = min(analysis.first_read[layer] for layer in order[k:])
   a, b = trace.layer_names[order[k - 1]], trace.layer_names[order[k]]
   if before >= after:
-    again = [trace.layer_names[x] for x in order[:k] if analysis.last_read[x] >= after]
+    back = [x for x in order[:k] if analysis.last_read[x] >= after]
+    again = [trace.layer_names[x] for x in back]
     # An earlier layer comes back (a shared or tied weight), or the one before the cut
     # is read again once the next is done (a head reusing the embedding just before it);
     # else the two alternate (a, b, a, b).
     if again != [a] or analysis.last_read[order[k - 1]] > analysis.last_read[order[k]]:
-      return None, _tied_reason(again, [b]), tuple(again)
-    return None, f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})", ()
+      note = _separate_leaves_note(trace, back, after)
+      return None, _tied_reason(again, [b], note), tuple(again), note
+    return (
+      None,
+      f"layers {a!r} and {b!r} are used interleaved (equations {after}..{before})",
+      (),
+      "",
+    )
   # (a stage boundary carries one batch-leading value: [B, ...], not a time-major [T, B, ...])
   batch = trace.input_vars[0].aval.shape[0] if trace.input_vars[0].aval.shape else None
   single = [c for c in range(after, before, -1) if len(analysis.live[c]) == 1]
   for c in single:
     shape = analysis.live[c][0].aval.shape
     if shape and shape[0] == batch:
-      return c, "", ()
+      return c, "", (), ""
   if single:
     shape = analysis.live[single[0]][0].aval.shape
     return (
@@ -490,6 +530,7 @@ def _boundary_cut(
       "[T, B, ...], or feature-major [F, B] from matmuls chained inside one `jax.vmap`, as "
       "bias-less equinox `Linear`s give: `jax.vmap` each layer on its own)",
       (),
+      "",
     )
   fewest = min(range(before + 1, after + 1), key=lambda c: len(analysis.live[c]))
   values = ", ".join(v.aval.str_short() for v in analysis.live[fewest])
@@ -499,6 +540,7 @@ def _boundary_cut(
     f"crosses ({len(analysis.live[fewest])} or more values are live, e.g. a skip connection: "
     f"{values})",
     (),
+    "",
   )
 
 
@@ -643,9 +685,9 @@ def plan_stages(
   boundary = {}
   reasons = {}
   for k in range(1, n):
-    c, why, tied = _boundary_cut(trace, analysis, k)
+    c, why, tied, note = _boundary_cut(trace, analysis, k)
     if c is None:
-      reasons[k] = (why, tied, names[k])
+      reasons[k] = (why, tied, names[k], note)
     else:
       boundary[k] = c
   if cuts is not None:
@@ -706,6 +748,41 @@ class StageProgram:
   reads_inputs: tuple[bool, ...]
 
 
+def _cuts_at(trace: _Trace, analysis: _Analysis, plan: StagePlan) -> list[int]:
+  """The equations at which `plan`'s stages 1..P-1 start in this trace of the model.
+
+  `plan.cuts` index the equations of the trace `plan_stages` made, at the sample's
+  rows; a trace at other rows (a microbatch) may hold other equations (JAX emits no
+  `broadcast_in_dim` for a `jnp.broadcast_to` to the shape a value already has, as a
+  class token's `[1, 1, D]` at one row), so the cuts are found again between the same
+  layers, or at the same markers.
+  """
+  if plan.balance == "markers":
+    cuts = [m + 1 for m in analysis.markers]
+    if len(cuts) != len(plan.cuts) or any(len(analysis.live[c]) != 1 for c in cuts):
+      raise ValueError(
+        f"The model's stage_boundary markers cut it into {len(plan.cuts) + 1} stages at the "
+        f"sample's rows but not at {_rows(trace)} rows."
+      )
+    return cuts
+  cuts = []
+  for group in plan.stage_layers[1:]:
+    cut, why, _, _ = _boundary_cut(trace, analysis, group[0])
+    if cut is None:
+      raise ValueError(
+        f"The pipeline's cut before layer {plan.layers[group[0]].name!r}, found at the sample's "
+        f"rows, does not exist at {_rows(trace)} rows (a microbatch): {why}. The model traces "
+        "differently at another batch size; pass init a sample with a microbatch's rows."
+      )
+    cuts.append(cut)
+  return cuts
+
+
+def _rows(trace: _Trace) -> int | None:
+  shape = trace.input_vars[0].aval.shape if trace.input_vars else ()
+  return shape[0] if shape else None
+
+
 def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan) -> StageProgram:
   """Traces the model at `inputs`' shape and cuts it where `plan` says.
 
@@ -715,8 +792,9 @@ def stage_program(apply_fn: Callable, params: Any, inputs: Any, plan: StagePlan)
   trace = _trace(apply_fn, params, inputs)
   eqns = trace.jaxpr.eqns
   analysis = _analyse(trace)
-  bounds = [0, *plan.cuts, len(eqns)]
-  live_in = [trace.input_vars] + [[analysis.live[c][0]] for c in plan.cuts]
+  cuts = _cuts_at(trace, analysis, plan)
+  bounds = [0, *cuts, len(eqns)]
+  live_in = [trace.input_vars] + [[analysis.live[c][0]] for c in cuts]
   live_out = [v[0] for v in live_in[1:]] + [trace.jaxpr.outvars[0]]
   param_index = {v: i for i, v in enumerate(trace.param_vars)}
   const_index = {v: i for i, v in enumerate(trace.jaxpr.constvars)}
