@@ -401,3 +401,23 @@ def test_attention_under_a_padding_mask_is_split_by_heads_and_matches_jit():
   parstrat.testing.check_strategy(
     parstrat.TensorParallel(model=2), model, [optax.sgd(0.1)], batches=batches
   )
+
+
+def _weight_normed_and_tied(x):
+  w = hk.get_parameter("w", [FEATURES, 32], init=hk.initializers.RandomNormal())
+  h = jax.nn.relu(x @ (w / jnp.linalg.norm(w)))  # a weight norm reads w besides its product
+  shared = hk.Linear(32, name="shared")
+  h = shared(jax.nn.relu(shared(h)))  # one weight in two products
+  return hk.Linear(10, name="head")(h)
+
+
+def test_a_weight_read_besides_its_product_is_not_called_tied():
+  # A normalised weight (`w / norm(w)`) is read three times, once in its product: it
+  # was "used 3 times: a shared or tied weight".
+  reasons = _reasons(_plan(hk.transform(_weight_normed_and_tied)))
+  assert re.fullmatch(
+    r"replicated \(used \d times: read by `[a-z_]+`(, `[a-z_]+`)* besides its product, "
+    r"as a weight norm is\)",
+    reasons["~/w"],
+  ), reasons["~/w"]
+  assert reasons["shared/w"] == "replicated (used 2 times: a shared or tied weight)"

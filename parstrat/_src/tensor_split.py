@@ -676,7 +676,14 @@ def analyse(
       why_not[i] = "replicated (a bias or scale, not a linear layer's weight matrix)"
       continue
     if len(found) != 1:
-      why_not[i] = f"replicated (used {len(found)} times: a shared or tied weight)"
+      others = sorted({op.prim for op in found if op.prim != "dot_general"})
+      products = len(found) - sum(op.prim != "dot_general" for op in found)
+      why_not[i] = (
+        f"replicated (used {len(found)} times: a shared or tied weight)"
+        if products > 1 or not others
+        else f"replicated (used {len(found)} times: read by "
+        f"{', '.join(f'`{p}`' for p in others)} besides its product, as a weight norm is)"
+      )
       continue
     (op,) = found
     pair = op.prim == "dot_general" and len(op.ins) == 2
