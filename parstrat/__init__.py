@@ -16,6 +16,7 @@ from parstrat._src.registry import available
 from parstrat._src.registry import get
 from parstrat._src.registry import register
 from parstrat._src.registry import unregister
+from parstrat._src.strategy import LossNotAMeanWarning
 from parstrat._src.strategy import Plan
 from parstrat._src.strategy import Strategy
 from parstrat._src.strategy import Trainer
@@ -37,6 +38,7 @@ __all__ = [
   "DataParallel",
   "FSDP",
   "Hybrid",
+  "LossNotAMeanWarning",
   "PipelineModelParallel",
   "Plan",
   "Strategy",

@@ -43,6 +43,15 @@ def model():
   return net, loss_fn
 
 
+def masked_mean_model():  # the mean over the even labels' examples: not a mean over examples
+  def loss_fn(logits, labels):
+    kept = (labels % 2 == 0).astype(jax.numpy.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return (losses * kept).sum() / jax.numpy.maximum(kept.sum(), 1)
+
+  return model()[0], loss_fn
+
+
 def with_precision():  # a dict whose keys the command line sets from its flags
   return {"model": model()[0], "precision": "mixed_bfloat16"}
 
@@ -1621,3 +1630,20 @@ def test_strategy_options_are_read_by_each_fields_own_type(tmp_path, monkeypatch
   assert "--strategy-option devices=[0,1]: the devices come from --devices; give that instead" in (
     capsys.readouterr().err
   )
+
+
+def test_a_loss_that_is_not_a_mean_over_examples_is_said_as_a_line(tmp_path, monkeypatch, capsys):
+  # Under data_parallel a masked mean over its own count trains otherwise than on one
+  # device, without a word: the first step now warns, and the command line says it as
+  # one line of the run's output (not a traceback-like warning on stderr).
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:masked_mean_model",
+                   "--dataset", "mymodel:data") == 0  # fmt: skip
+  captured = capsys.readouterr()
+  lines = [x for x in captured.out.splitlines() if x.startswith("warning: loss_fn is not a mean")]
+  assert len(lines) == 1, captured.out
+  assert "DataParallel(devices=<2 devices>) averages the losses of 2 parts" in lines[0]
+  assert "LossNotAMeanWarning" not in captured.err
+  # (a mean over examples: no word)
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model",
+                   "--dataset", "mymodel:data") == 0  # fmt: skip
+  assert "not a mean" not in capsys.readouterr().out

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import haiku as hk
 import jax
@@ -372,9 +373,40 @@ def test_a_masked_loss_over_a_fixed_count_matches_one_device_and_over_its_own_do
 
   options = dict(optimizers=[optax.sgd(0.1)], batches=batches, model_inputs=lambda b: b["x"])
   strategy = parstrat.DataParallel(data=8)
-  parstrat.testing.check_strategy(strategy, loss_fn=masked(over_size=True), **options)
-  with pytest.raises(AssertionError, match="loss differs from step 1"):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", parstrat.LossNotAMeanWarning)  # (a mean: no word)
+    parstrat.testing.check_strategy(strategy, loss_fn=masked(over_size=True), **options)
+  # The masked mean trains otherwise, and the first step says so, with the fix.
+  with (
+    pytest.raises(AssertionError, match="loss differs from step 1"),
+    pytest.warns(
+      parstrat.LossNotAMeanWarning,
+      match=r"loss_fn is not a mean over examples: on the first batch's first 8 rows .* "
+      r"DataParallel\(data=8\) averages the losses of 8 parts of each batch .* "
+      r"`\(l \* mask\).sum\(\) / mask.size`",
+    ),
+  ):
     parstrat.testing.check_strategy(strategy, loss_fn=masked(over_size=False), **options)
+  # Where the loss is computed on the whole batch (fsdp), the masked mean is one device's,
+  # and nothing is said; with accumulation (two microsteps' losses) it is not, and is said.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", parstrat.LossNotAMeanWarning)
+    parstrat.testing.check_strategy(
+      parstrat.FSDP(data=8), loss_fn=masked(over_size=False), **options
+    )
+  with pytest.warns(parstrat.LossNotAMeanWarning, match="averages the losses of 2 parts"):
+    trainer = parstrat.FSDP(data=8)(
+      parstrat.testing.seed_mlp(), optax.sgd(0.1), loss_fn=masked(over_size=False),
+      model_inputs=lambda b: b["x"], accumulate=2,
+    )  # fmt: skip
+    trainer.step(trainer.init(jax.random.key(0), images[0][:1]), batches[0])
+  # A pipeline's microbatches are parts too.
+  with pytest.warns(parstrat.LossNotAMeanWarning, match="averages the losses of 4 parts"):
+    trainer = parstrat.PipelineModelParallel(stages=2, microbatches=4)(
+      parstrat.testing.seed_mlp(), optax.sgd(0.1), loss_fn=masked(over_size=False),
+      model_inputs=lambda b: b["x"],
+    )  # fmt: skip
+    trainer.step(trainer.init(jax.random.key(0), images[0][:1]), batches[0])
 
 
 def test_use_cpu_devices_fails_loudly_on_a_mismatch():

@@ -1328,8 +1328,6 @@ def _open_checkpoints(args, strategy, trainer, say, data):
     UsageError: no checkpoint to resume, none intact, a model that does not
       fit, or a run configuration that differs (see `_config_changes`).
   """
-  import warnings
-
   from parstrat._src.checkpoint import Checkpointer
   from parstrat._src.checkpoint import CheckpointError
   from parstrat._src.checkpoint import OptimizerDoesNotFit
@@ -1365,16 +1363,7 @@ def _open_checkpoints(args, strategy, trainer, say, data):
       changes = _resumable_changes(args, ckpt.metadata(), data)
     except CheckpointError:  # a damaged newest checkpoint: restore falls back past it
       changes = None
-    with warnings.catch_warnings(record=True) as caught:
-      # Each warning of the restore, once more if shown before, as a line of the run's
-      # output; what is silenced (-W, PYTHONWARNINGS, a test session's filterwarnings)
-      # stays silenced: the filters in their order, any action but "ignore" as "always".
-      given = list(warnings.filters)
-      warnings.simplefilter("always")
-      pattern = lambda regex: getattr(regex, "pattern", regex) or ""  # noqa: E731
-      for action, message, category, module, lineno in reversed(given):
-        action = "ignore" if action == "ignore" else "always"  # noqa: PLW2901
-        warnings.filterwarnings(action, pattern(message), category, pattern(module), lineno)
+    with _warnings_as_lines(say):
       try:
         state, meta = ckpt.restore(trainer, fresh_optimizer=args.fresh_optimizer)
       except OptimizerDoesNotFit as e:
@@ -1392,8 +1381,6 @@ def _open_checkpoints(args, strategy, trainer, say, data):
         ) from None
       except (ValueError, CheckpointError) as e:
         raise UsageError(f"{_resume_flag(args)}: {e}") from None
-    for warning in caught:
-      say(f"warning: {warning.message}")
     changes = _resumable_changes(args, meta, data)
     if changes:
       say(f"resuming with a changed configuration: {', '.join(changes)}")
@@ -1401,6 +1388,28 @@ def _open_checkpoints(args, strategy, trainer, say, data):
   except BaseException:
     ckpt.close()
     raise
+
+
+@contextlib.contextmanager
+def _warnings_as_lines(say):
+  """Each warning raised inside, once more if shown before, as a line of the run's output
+  (`warning: ...`), said when the block ends, also when it raises; what is silenced (-W,
+  PYTHONWARNINGS, a test session's filterwarnings) stays silenced: the filters in their
+  order, any action but "ignore" as "always"."""
+  import warnings
+
+  with warnings.catch_warnings(record=True) as caught:
+    given = list(warnings.filters)
+    warnings.simplefilter("always")
+    pattern = lambda regex: getattr(regex, "pattern", regex) or ""  # noqa: E731
+    for action, message, category, module, lineno in reversed(given):
+      action = "ignore" if action == "ignore" else "always"  # noqa: PLW2901
+      warnings.filterwarnings(action, pattern(message), category, pattern(module), lineno)
+    try:
+      yield
+    finally:
+      for warning in caught:
+        say(f"warning: {warning.message}")
 
 
 def _multi_process(args: argparse.Namespace) -> bool:
@@ -2209,6 +2218,7 @@ def _train_one(
   stopped_early = False  # by a signal, before the run's end: exit 128 + the signal
   stop = _StopRequests(say).install()
   failed = False  # (then what closing fails to write is not said over why the run stopped)
+  first_step = True  # (its warnings are said as lines: a loss that is not a mean, say)
   try:
     for epoch in range(first_epoch, args.epochs):
       if args.steps is not None and step >= args.steps:
@@ -2234,7 +2244,10 @@ def _train_one(
           batch = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         tick = time.perf_counter()
         try:
-          state, metrics = trainer.step(state, batch)
+          # (the first step's warnings, e.g. a loss that is not a mean, as lines)
+          with _warnings_as_lines(say) if first_step else contextlib.nullcontext():
+            state, metrics = trainer.step(state, batch)
+          first_step = False
         except (TypeError, ValueError) as e:  # (checked before the step ran: nothing lost)
           raise UsageError(
             f"step {step + 1}: batch {batch_in_epoch + 1} of epoch {epoch + 1}: {e}"

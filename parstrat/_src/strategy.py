@@ -837,6 +837,7 @@ class Trainer:
     self._input_spec: Any = None  # per-example ShapeDtypeStructs of the model inputs
     self._batch_spec: Any = None  # ... of a batch, from `sample_batch` or the first step
     self._processes_agree = False  # every process's first `step` passed rows alike
+    self._loss_mean_checked = False  # `_warn_unless_loss_is_a_mean` ran on a first batch
     #: The `sample_batch` given to `init`, as `jax.ShapeDtypeStruct`s (or None).
     self.sample_batch: Any = None
     self._branches_checked: set[tuple[str, int]] = set()
@@ -1084,6 +1085,7 @@ class Trainer:
     self._input_spec = _per_example(sample)
     self._batch_spec = None if sample_batch is None else _per_example(sample_batch)
     self._processes_agree = False
+    self._loss_mean_checked = False
     self._batch_source = "the sample_batch given to init"
     self._state_shardings = jax.tree.map(lambda x: x.sharding, state)
     self._abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -1357,6 +1359,68 @@ class Trainer:
         "reduce it, e.g. `.mean()`."
       )
 
+  def _loss_parts(self) -> int:
+    """The parts of a batch whose losses the step averages: the devices the batch is split
+    over and the microbatches, where each computes its own loss (`manual` plans), times
+    the accumulation microsteps. 1 where the loss is computed on the whole batch."""
+    per_device = self._batch_split() * self.plan.batch_multiple if self.plan.manual else 1
+    return per_device * self.accumulate
+
+  def _warn_unless_loss_is_a_mean(self, batch: Batch) -> None:
+    """Warns when `loss_fn` is not a mean over examples and the step averages parts' losses.
+
+    On the first rows of the first batch (at most 8, an even number), with random
+    outputs of the model's shapes, the loss of the rows is compared with the mean of the
+    losses of their two halves: equal (within float32 rounding) for a mean over
+    examples; not for a mean over a count that differs between the halves (a masked
+    mean) or a loss across examples, which then trains otherwise than on one device.
+    Passed over (no word) with the default loss, a loss on the whole batch, several
+    processes, fewer than 2 rows, outputs that do not lead with the batch, or a loss that
+    fails or is not finite on these values: it is a hint, not a proof.
+    """
+    parts = self._loss_parts()
+    if self.uses_default_loss or parts == 1 or jax.process_count() > 1:
+      return
+    rows = min(8, _batch_size("batch", batch)) // 2 * 2
+    if rows < 2:
+      return
+    try:
+      head = jax.tree.map(lambda x: np.asarray(x[:rows]), batch)
+      shapes = self._abstract_outputs(self._inputs_of(head))
+      noise = np.random.default_rng(0)
+      outputs = jax.tree.map(
+        lambda o: (
+          noise.normal(size=o.shape).astype(o.dtype)
+          if jnp.issubdtype(o.dtype, jnp.floating)
+          else np.zeros(o.shape, o.dtype)
+        ),
+        shapes,
+      )
+      if any(np.shape(x)[:1] != (rows,) for x in jax.tree.leaves(outputs)):
+        return
+      half = lambda tree, k: jax.tree.map(lambda x: x[k * rows // 2 : (k + 1) * rows // 2], tree)  # noqa: E731
+      targets = self._targets_of(head)
+      whole = float(self.loss_fn(outputs, targets))
+      halves = [float(self.loss_fn(half(outputs, k), half(targets, k))) for k in (0, 1)]
+    except Exception:  # noqa: BLE001 - a hint only: the step reports the loss's own errors
+      return
+    mean = (halves[0] + halves[1]) / 2
+    if np.isfinite([whole, mean]).all() and not np.isclose(whole, mean, rtol=1e-4, atol=1e-6):
+      import warnings  # noqa: PLC0415
+
+      warnings.warn(
+        f"loss_fn is not a mean over examples: on the first batch's first {rows} rows (with "
+        f"random outputs) it gives {whole:.6g}, and the mean of its values on their two "
+        f"halves is {mean:.6g}. {self.strategy!r} averages the losses of {parts} parts of "
+        "each batch (devices, microbatches, accumulation steps), so it trains otherwise "
+        "than on one device: a masked mean over its own count, `(l * mask).sum() / "
+        "mask.sum()`, weights the parts alike, not the tokens. Divide by a count "
+        "proportional to the rows instead, e.g. `(l * mask).sum() / mask.size` (see "
+        "README, 'loss_fn must be a mean over examples').",
+        LossNotAMeanWarning,
+        stacklevel=3,
+      )
+
   def _as_batch(self, batch: Any, abstract: bool = False) -> Any:
     """`batch` with array leaves (a pair, without `model_inputs`)."""
     if self.model_inputs is None and (not isinstance(batch, (tuple, list)) or len(batch) != 2):
@@ -1432,6 +1496,9 @@ class Trainer:
       )
       self._processes_agree = True
     batch = self._placed(self._check_batch(batch))
+    if not self._loss_mean_checked:
+      self._loss_mean_checked = True
+      self._warn_unless_loss_is_a_mean(batch)
     if self.strategy.debug and self.uses_default_loss:
       self._check_label_range(*batch)
     self._check_branches(self._compiled_step, (state, batch), "step")
@@ -2047,6 +2114,11 @@ def _arrays(what: str, tree: Any, abstract: bool = False) -> Any:
   if not jax.tree.leaves(tree):
     raise TypeError(f"{what} must hold at least one array, got {tree!r}.")
   return tree
+
+
+class LossNotAMeanWarning(UserWarning):
+  """`loss_fn` gave another value on a batch than the mean of its values on its halves,
+  under a strategy that averages the losses of parts of each batch."""
 
 
 def _batch_size(what: str, tree: Any) -> int:
