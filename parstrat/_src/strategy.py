@@ -1481,6 +1481,11 @@ class Trainer:
         and the default loss) labels outside `[0, C)`. With several processes,
         the first `step` checks (one collective) that every process passed
         rows of the same shapes and dtypes, naming those that differ.
+
+    Warns:
+      LossNotAMeanWarning: at the first step, where the step averages the losses of
+        parts of the batch and `loss_fn` is seen not to be a mean over examples
+        (see `_warn_unless_loss_is_a_mean`).
     """
     self._check_state(state, "step")
     if not self._processes_agree and jax.process_count() > 1:
