@@ -409,6 +409,35 @@ def test_a_masked_loss_over_a_fixed_count_matches_one_device_and_over_its_own_do
     trainer.step(trainer.init(jax.random.key(0), images[0][:1]), batches[0])
 
 
+def test_a_mean_loss_of_bfloat16_outputs_is_not_called_otherwise():
+  # Under a jmp policy with output=bfloat16 the loss was computed on bfloat16 random
+  # outputs: its value rounds to ~3 digits, and a plain `.mean()` was warned of on some
+  # batches (labels of seeds 2 and 4 here). The check runs on float32 outputs; a masked
+  # mean is still told.
+  model = hk.transform(lambda x: hk.Linear(7)(x))
+  policy = "params=float32,compute=bfloat16,output=bfloat16"
+
+  def mean(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  def masked(logits, labels):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+    return (losses * (labels >= 0)).sum() / (labels >= 0).sum()
+
+  for seed in (2, 4):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(16, 5, 6)).astype(np.float32)
+    y = rng.integers(0, 7, size=(16, 5))
+    trainer = parstrat.DataParallel()(model, optax.sgd(0.1), loss_fn=mean, precision=policy)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", parstrat.LossNotAMeanWarning)
+      trainer.step(trainer.init(jax.random.key(0), x[:1]), (x, y))
+  y[::3, 1:] = -1
+  trainer = parstrat.DataParallel()(model, optax.sgd(0.1), loss_fn=masked, precision=policy)
+  with pytest.warns(parstrat.LossNotAMeanWarning, match="averages the losses of 8 parts"):
+    trainer.step(trainer.init(jax.random.key(0), x[:1]), (x, y))
+
+
 def test_use_cpu_devices_fails_loudly_on_a_mismatch():
   parstrat.testing.use_cpu_devices(8)  # already 8 here: fine
   with pytest.raises(RuntimeError, match="already started with 8 CPU device"):
