@@ -60,6 +60,13 @@ def with_a_typo():
   return {"model": model()[0], "loss_fun": model()[1]}
 
 
+def float64_model():  # JAX warns at each trace: float64 is not available without x64
+  def forward(x):
+    return hk.nets.MLP([16, 16, 4])(x) + jax.numpy.zeros(4, jax.numpy.float64)
+
+  return hk.transform(forward), model()[1]
+
+
 def tanh_model():  # the same shapes as model()'s
   net = hk.transform(lambda x: hk.nets.MLP([16, 16, 4], activation=jax.nn.tanh)(x))
   return net, model()[1]
@@ -256,6 +263,12 @@ def odd_last(batch_size, seed):  # the third batch has 3 rows: no split over 2 d
 def one_eval_pair(batch_size, seed):  # eval as one (x, y) pair, not a list of pairs
   train, evaluation = data(batch_size, seed)
   return train, evaluation[0]
+
+
+def scalar_label_eval(batch_size, seed):  # one row and its label as a scalar
+  train, evaluation = data(batch_size, seed)
+  x, y = evaluation[0]
+  return train, [(x[:1], y[0])]
 
 
 def no_eval_batches(batch_size, seed):  # as a dataset function makes none at a large batch
@@ -1069,6 +1082,10 @@ def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, c
   ) in out
   # (its last axis, 1 wide, was taken for its classes: "33 label(s) outside [0, 1)")
   assert "outside [0, 1)" not in out
+  # A scalar label (one row's) crashed the eval: "len() of unsized object".
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model",
+                   "--dataset", "mymodel:scalar_label_eval") == 0  # fmt: skip
+  assert "eval batch 1's label is a scalar, not one per example" in capsys.readouterr().out
 
 
 def test_a_compare_stopped_before_a_strategys_first_checkpoint_resumes(
@@ -1647,3 +1664,13 @@ def test_a_loss_that_is_not_a_mean_over_examples_is_said_as_a_line(tmp_path, mon
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model",
                    "--dataset", "mymodel:data") == 0  # fmt: skip
   assert "not a mean" not in capsys.readouterr().out
+
+
+def test_a_warning_of_each_trace_in_the_first_step_is_said_once(tmp_path, monkeypatch, capsys):
+  # The first step traces the model twice (the loss check's shapes, the step): a warning
+  # the model gives at each trace was said as two identical lines.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:float64_model",
+                   "--dataset", "mymodel:data") == 0  # fmt: skip
+  lines = capsys.readouterr().out.splitlines()
+  said = [x for x in lines if x.startswith("warning: Explicitly requested dtype float64")]
+  assert len(said) == 1, lines

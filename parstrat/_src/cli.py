@@ -1395,7 +1395,9 @@ def _warnings_as_lines(say):
   """Each warning raised inside, once more if shown before, as a line of the run's output
   (`warning: ...`), said when the block ends, also when it raises; what is silenced (-W,
   PYTHONWARNINGS, a test session's filterwarnings) stays silenced: the filters in their
-  order, any action but "ignore" as "always"."""
+  order, any action but "ignore" as "always". A warning raised more than once inside (a
+  model's trace-time warning, traced for the loss check and again for the step) is said
+  once."""
   import warnings
 
   with warnings.catch_warnings(record=True) as caught:
@@ -1408,8 +1410,12 @@ def _warnings_as_lines(say):
     try:
       yield
     finally:
+      said = set()
       for warning in caught:
-        say(f"warning: {warning.message}")
+        line = f"warning: {warning.message}"
+        if (warning.category, line) not in said:
+          said.add((warning.category, line))
+          say(line)
 
 
 def _multi_process(args: argparse.Namespace) -> bool:
@@ -1951,6 +1957,8 @@ def _no_accuracy_reason(evaluator, batches, who: str) -> str:
     labels = np.asarray(batch[1])
     if not np.issubdtype(labels.dtype, np.integer):
       return f"eval batch {index}'s labels are {labels.dtype}, not integer class ids"
+    if labels.ndim == 0:
+      return f"eval batch {index}'s label is a scalar, not one per example"
     try:
       outputs = evaluator._abstract_outputs(batch[0])  # noqa: SLF001
     except Exception as e:  # noqa: BLE001 (a reason, not a failure: the run goes on)

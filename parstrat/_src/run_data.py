@@ -393,7 +393,7 @@ def eval_accuracy(
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
       return None
     inputs, labels = batch[0], np.asarray(batch[1])
-    if not np.issubdtype(labels.dtype, np.integer):
+    if not np.issubdtype(labels.dtype, np.integer) or labels.ndim == 0:
       return None
     for start in range(0, len(labels), batch_size):
       y = labels[start : start + batch_size]
