@@ -151,6 +151,11 @@ def eval_model_of_other_outputs():  # [B, 4, 1] where the labels are [B]
   return {**dropout_with_eval_model(), "eval_model": halved}
 
 
+def eval_model_of_fewer_classes():  # the model's first 2 of 4 classes
+  first_two = hk.transform(lambda x: _dropout_net(x, False)[:, :2])
+  return {**dropout_with_eval_model(), "eval_model": first_two}
+
+
 def no_eval_data(batch_size, seed):
   return data(batch_size, seed)[0], None
 
@@ -1082,6 +1087,13 @@ def test_eval_data_that_gives_no_accuracy_is_named_once(tmp_path, monkeypatch, c
   ) in out
   # (its last axis, 1 wide, was taken for its classes: "33 label(s) outside [0, 1)")
   assert "outside [0, 1)" not in out
+  # Labels outside an eval model's fewer classes count as wrong: training (on the
+  # model's 4) does not stop on them, as the refusal said it would.
+  assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:eval_model_of_fewer_classes",
+                   "--dataset", "mymodel:data") == 0  # fmt: skip
+  assert (
+    "outside [0, 2), the eval_model's classes (first: 2): the eval accuracy counts them as wrong"
+  ) in capsys.readouterr().out
   # A scalar label (one row's) crashed the eval: "len() of unsized object".
   assert _user_run(tmp_path, monkeypatch, "--model-fn", "mymodel:model",
                    "--dataset", "mymodel:scalar_label_eval") == 0  # fmt: skip

@@ -2025,7 +2025,7 @@ def _train_one(
     outside = run_data.eval_label_outside(
       data.eval_batches(), len(outputs.shape), outputs.shape[-1], who
     )
-    if outside and trainer.uses_default_loss:
+    if outside and trainer.uses_default_loss and evaluator is trainer:
       raise UsageError(f"{outside}; training stops on such labels too")
     if outside:  # (a loss of one's own may skip them, e.g. -1 for padding)
       say(f"{outside}: the eval accuracy counts them as wrong")
