@@ -151,9 +151,9 @@ def eval_model_of_other_outputs():  # [B, 4, 1] where the labels are [B]
   return {**dropout_with_eval_model(), "eval_model": halved}
 
 
-def eval_model_of_fewer_classes():  # the model's first 2 of 4 classes
+def eval_model_of_fewer_classes():  # the model's first 2 of 4 classes; the default loss
   first_two = hk.transform(lambda x: _dropout_net(x, False)[:, :2])
-  return {**dropout_with_eval_model(), "eval_model": first_two}
+  return {"model": dropout_with_eval_model()["model"], "eval_model": first_two}
 
 
 def no_eval_data(batch_size, seed):
