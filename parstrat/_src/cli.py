@@ -1943,34 +1943,6 @@ def _eval_state(trainer, evaluator, state, say):
   return lambda state: evaluator.import_state(trainer.export_state(state))
 
 
-def _no_accuracy_reason(evaluator, batches, who: str) -> str:
-  """Why `run_data.eval_accuracy` gave no accuracy on `batches`: the first batch at fault
-  and what is wrong with it (`who` names the model whose outputs were compared)."""
-  import jax
-  import numpy as np
-
-  shapes = lambda tree: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", tree)  # noqa: E731
-  for index, batch in enumerate(batches, 1):
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-      what = f"an array {shapes(batch)}" if hasattr(batch, "shape") else type(batch).__name__
-      return f"eval batch {index} is {what}, not an (inputs, labels) pair"
-    labels = np.asarray(batch[1])
-    if not np.issubdtype(labels.dtype, np.integer):
-      return f"eval batch {index}'s labels are {labels.dtype}, not integer class ids"
-    if labels.ndim == 0:
-      return f"eval batch {index}'s label is a scalar, not one per example"
-    try:
-      outputs = evaluator._abstract_outputs(batch[0])  # noqa: SLF001
-    except Exception as e:  # noqa: BLE001 (a reason, not a failure: the run goes on)
-      return f"{who} cannot run on eval batch {index}'s inputs ({type(e).__name__}: {e})"
-    if tuple(getattr(outputs, "shape", (None,))[:-1]) != labels.shape:
-      return (
-        f"eval batch {index}'s labels {shapes(labels)} do not match {who}'s outputs "
-        f"{shapes(outputs)} (for those labels: {[*labels.shape, 'classes']})"
-      )
-  return "no batch gave one"
-
-
 def _local_rows(args, trainer) -> slice:
   """The rows of each `--batch-size` batch this process loads (see `local_batch_rows`).
 
@@ -2155,7 +2127,7 @@ def _train_one(
         say(
           "eval: no accuracy: the eval data must be a non-empty iterable of (inputs, integer "
           f"labels) pairs whose labels match {who}'s outputs (one class score per label): "
-          + _no_accuracy_reason(evaluator, batches, who)
+          + run_data.no_accuracy_reason(batches, evaluator._abstract_outputs, who)  # noqa: SLF001
         )
     return accuracy
 

@@ -302,6 +302,56 @@ def load(
   return from_tfds(spec, data_dir=data_dir, batch_size=batch_size, seed=seed)
 
 
+def _shapes(tree: Any) -> Any:
+  """`tree` with each array (or `jax.ShapeDtypeStruct`) as `dtype[shape]` text."""
+  import jax
+
+  return jax.tree.map(lambda a: f"{a.dtype}{list(np.shape(a))}", tree)
+
+
+def _unusable(batch: Any) -> str | None:
+  """Why an eval batch gives no accuracy whatever the model's outputs, as what follows
+  "eval batch N" (not an `(inputs, labels)` pair, labels that are not integer class
+  ids, a scalar label), or None: the one rule `eval_accuracy` and the checks share."""
+  if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    what = f"an array {_shapes(batch)}" if hasattr(batch, "shape") else type(batch).__name__
+    return f" is {what}, not an (inputs, labels) pair"
+  labels = np.asarray(batch[1])
+  if not np.issubdtype(labels.dtype, np.integer):
+    return f"'s labels are {labels.dtype}, not integer class ids"
+  if labels.ndim == 0:
+    return "'s label is a scalar, not one per example"
+  return None
+
+
+def _fits(outputs_shape: tuple[int, ...], labels: np.ndarray) -> bool:
+  """Whether outputs of `outputs_shape` give one class score vector per label."""
+  return tuple(outputs_shape[:-1]) == labels.shape
+
+
+def no_accuracy_reason(
+  batches: Iterable[Any], abstract_outputs: Callable[[Any], Any], who: str
+) -> str:
+  """Why `eval_accuracy` gives no accuracy on `batches`: the first batch at fault and what
+  is wrong with it. `abstract_outputs` maps inputs to the outputs' shapes, those of
+  `who` (the model, or the eval model, named in the reason)."""
+  for index, batch in enumerate(batches, 1):
+    unusable = _unusable(batch)
+    if unusable:
+      return f"eval batch {index}{unusable}"
+    labels = np.asarray(batch[1])
+    try:
+      outputs = abstract_outputs(batch[0])
+    except Exception as e:  # noqa: BLE001 (a reason, not a failure: the run goes on)
+      return f"{who} cannot run on eval batch {index}'s inputs ({type(e).__name__}: {e})"
+    if not _fits(getattr(outputs, "shape", (None,)), labels):
+      return (
+        f"eval batch {index}'s labels {_shapes(labels)} do not match {who}'s outputs "
+        f"{_shapes(outputs)} (for those labels: {[*labels.shape, 'classes']})"
+      )
+  return "no batch gave one"
+
+
 def eval_label_outside(
   batches: Iterable[Any], outputs_rank: int, classes: int, who: str = "the model"
 ) -> str | None:
@@ -313,12 +363,10 @@ def eval_label_outside(
   `who`), are passed over: they give no accuracy at all, which the eval says.
   """
   for index, batch in enumerate(batches):
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    if _unusable(batch):
       continue
     labels = np.asarray(batch[1])
-    if not np.issubdtype(labels.dtype, np.integer) or not labels.size:
-      continue
-    if labels.ndim != outputs_rank - 1:
+    if not labels.size or labels.ndim != outputs_rank - 1:
       continue
     outside = labels[(labels < 0) | (labels >= classes)]
     if outside.size:
@@ -350,10 +398,8 @@ def eval_inputs_unlike(batches: Iterable[Any], sample: Any) -> str | None:
 
   spec = _per_example(jax.tree.map(np.asarray, sample))
   for index, batch in enumerate(batches):
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    if _unusable(batch):
       return None  # (eval_accuracy stops here: no accuracy at all)
-    if not np.issubdtype(np.asarray(batch[1]).dtype, np.integer):
-      return None
     what = f"eval batch {index + 1}: inputs"
     try:
       inputs = jax.tree.map(np.asarray, batch[0])
@@ -390,11 +436,9 @@ def eval_accuracy(
 
   correct = total = pieces = 0
   for batch in batches:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+    if _unusable(batch):
       return None
     inputs, labels = batch[0], np.asarray(batch[1])
-    if not np.issubdtype(labels.dtype, np.integer) or labels.ndim == 0:
-      return None
     for start in range(0, len(labels), batch_size):
       y = labels[start : start + batch_size]
       n = len(y)
@@ -416,7 +460,7 @@ def eval_accuracy(
       pieces += 1
       outputs = np.asarray(multihost_utils.process_allgather(outputs, tiled=True))
       outputs = outputs[start - begin : start - begin + n]
-      if outputs.shape[:-1] != y.shape:
+      if not _fits(outputs.shape, y):
         return None
       correct += int(np.sum(outputs.argmax(-1) == y))
       total += y.size

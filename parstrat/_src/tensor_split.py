@@ -677,7 +677,7 @@ def analyse(
       continue
     if len(found) != 1:
       others = sorted({op.prim for op in found if op.prim != "dot_general"})
-      products = len(found) - sum(op.prim != "dot_general" for op in found)
+      products = sum(op.prim == "dot_general" for op in found)
       why_not[i] = (
         f"replicated (used {len(found)} times: a shared or tied weight)"
         if products > 1 or not others
