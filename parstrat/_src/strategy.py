@@ -20,6 +20,7 @@ import functools
 import inspect
 import re
 import types
+import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -1413,8 +1414,6 @@ class Trainer:
     mean = (halves[0] + halves[1]) / 2
     rtol = max(1e-4, 4 * eps)
     if np.isfinite([whole, mean]).all() and not np.isclose(whole, mean, rtol=rtol, atol=1e-6):
-      import warnings  # noqa: PLC0415
-
       warnings.warn(
         f"loss_fn is not a mean over examples: on the first batch's first {rows} rows (with "
         f"random outputs) it gives {whole:.6g}, and the mean of its values on their two "
